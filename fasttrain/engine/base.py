@@ -1,0 +1,53 @@
+"""The contract between the trainer and a step engine.
+
+An engine runs one micro-step: the trainer's hooks ``calculate_train_batch_loss`` ->
+``backward_step`` and, on update steps, gradient clipping -> ``optimizer_step`` ->
+``scheduler_step`` -> ``optimizer_zero_grad``. It returns the batch output dict of
+``calculate_train_batch_loss`` (with the loss NOT divided by the accumulation steps) and keeps
+per-step values on the device. Engines differ in how they run that (eagerly, compiled, replayed
+from a CUDA graph); the trainer picks one at setup and never branches on it in the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+
+class StepEngine:
+    """Base class of step engines."""
+
+    #: the name users pass as ``Trainer(engine=...)``
+    name = "base"
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        #: global gradient norm of the last update (device tensor), when clipping by norm
+        self.last_grad_norm: Optional[torch.Tensor] = None
+
+    # called once per train()/evaluate(), after accelerate has prepared model and optimizer
+    def setup(self) -> None:
+        pass
+
+    def train_step(self, batch, update: bool) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def eval_step(self, batch) -> dict:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------ shared helpers
+    def no_sync_context(self, update: bool):
+        """``no_sync`` of the DDP-wrapped model on micro-steps that do not update, so that
+        gradients are all-reduced once per optimizer update."""
+        trainer = self.trainer
+        if update or not trainer.run_config.is_distributed:
+            return contextlib.nullcontext()
+        return trainer._accelerator.no_sync(trainer.model)

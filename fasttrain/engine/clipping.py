@@ -1,0 +1,45 @@
+"""Gradient clipping, once per optimizer update, without host synchronisation.
+
+On CUDA the fused kernels of :mod:`fasttrain.kernels` do the work in a constant number of
+launches; elsewhere their PyTorch reference runs. Both return the total norm as a device tensor
+and never read it on the host.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+def gradients_of(parameters) -> List[torch.Tensor]:
+    """The gradient tensors of ``parameters`` that exist."""
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+class GradientClipper:
+    """Clips the gradients of a fixed set of parameters by value and/or by global norm."""
+
+    def __init__(self, parameters, clip_value: Optional[float] = None, clip_norm: Optional[float] = None):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.clip_value = clip_value
+        self.clip_norm = clip_norm
+        self.enabled = clip_value is not None or clip_norm is not None
+        # set to 1 by the kernels when a gradient is not finite; read only at flushes
+        self.found_inf: Optional[torch.Tensor] = None
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        """Clip in place; returns the total norm (before clipping) when clipping by norm."""
+        from fasttrain import kernels
+
+        grads = gradients_of(self.parameters)
+        if not grads:
+            return None
+        if self.found_inf is None or self.found_inf.device != grads[0].device:
+            self.found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+        norm = None
+        if self.clip_value is not None:
+            kernels.clip_grad_value_(grads, self.clip_value, found_inf=self.found_inf)
+        if self.clip_norm is not None:
+            norm = kernels.clip_grad_norm_(grads, self.clip_norm, found_inf=self.found_inf)
+        return norm

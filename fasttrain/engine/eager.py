@@ -1,0 +1,33 @@
+"""The eager step engine: the trainer's hooks run as plain PyTorch, in hook order."""
+
+from __future__ import annotations
+
+import torch
+
+from fasttrain.engine.base import StepEngine
+
+
+class EagerEngine(StepEngine):
+    """Runs each micro-step eagerly. No host synchronisation happens here: the loss stays a
+    device tensor and clipping runs on the device."""
+
+    name = "eager"
+
+    def train_step(self, batch, update: bool) -> dict:
+        trainer = self.trainer
+        with self.no_sync_context(update):
+            batch_output = trainer.calculate_train_batch_loss(batch)
+            trainer.backward_step(trainer._loss_for_backward(batch_output))
+        if update:
+            norm = trainer._clip_gradients()
+            if norm is not None:
+                self.last_grad_norm = norm
+            trainer.optimizer_step()
+            if trainer.scheduler is not None and not trainer._optimizer_step_was_skipped():
+                trainer.scheduler_step()
+            trainer.optimizer_zero_grad()
+        return batch_output
+
+    def eval_step(self, batch) -> dict:
+        with torch.no_grad():
+            return self.trainer.calculate_eval_batch_loss(batch)

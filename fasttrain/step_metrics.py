@@ -1,0 +1,131 @@
+"""Per-step values kept on the device between flushes, and the flush that brings them to the host.
+
+Within an epoch each micro-step appends a reference to its (detached) loss tensor; nothing is
+computed or copied per step. A flush stacks what was collected and copies it to the host in one
+transfer, then hands the host values to the callbacks as a :class:`FlushedMetrics`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import List, Optional
+
+import torch
+
+from fasttrain.metrics import FlushedMetrics
+
+
+def _is_finite(value: float) -> bool:
+    return not (math.isnan(value) or math.isinf(value))
+
+
+class StepMetricsBuffer:
+    """Collects the step values of one epoch of one phase (``"train"`` or ``"eval"``)."""
+
+    def __init__(self, phase: str, epoch: int):
+        self.phase = phase
+        self.epoch = epoch
+        self._losses: List[torch.Tensor] = []
+        self._batch_sizes: list = []
+        self._num_items: list = []
+        self._steps: List[int] = []
+        self._grad_norms: List[torch.Tensor] = []
+        self.loss_sum = 0.0
+        self.sample_count = 0
+        self.nonfinite_seen = False
+        self._last_flush = time.perf_counter()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, step: int, batch_output: dict) -> None:
+        """Record one micro-step. Keeps references only: no device work, no host sync."""
+        try:
+            loss = batch_output["loss"]
+        except (KeyError, TypeError):
+            raise ValueError(
+                "calculate_train_batch_loss/calculate_eval_batch_loss must return a dict with a "
+                "'loss' entry (and 'batch_size'); got "
+                f"{type(batch_output).__name__}"
+                + (f" with keys {sorted(batch_output)}" if isinstance(batch_output, dict) else "")
+            ) from None
+        if not isinstance(loss, torch.Tensor):
+            loss = torch.tensor(float(loss))
+        elif loss.dim() != 0:
+            loss = loss.detach().mean()
+        self._losses.append(loss.detach())
+        self._batch_sizes.append(batch_output.get("batch_size", 1))
+        num_items = batch_output.get("num_items_in_batch")
+        if num_items is not None:
+            self._num_items.append(num_items)
+        self._steps.append(step)
+
+    def add_grad_norm(self, norm: Optional[torch.Tensor]) -> None:
+        if norm is not None:
+            self._grad_norms.append(norm.detach())
+
+    def flush(self, *, num_updates: int, skipped_updates: int, is_epoch_end: bool) -> FlushedMetrics:
+        """Copy the collected values to the host in one transfer and reset the buffer."""
+        n = len(self._losses)
+        device_parts = []
+        if n:
+            device_parts.append(torch.stack(self._losses).float())
+        if self._grad_norms:
+            device_parts.append(torch.stack(self._grad_norms).float())
+        tensor_sizes = [b for b in self._batch_sizes if isinstance(b, torch.Tensor)]
+        tensor_items = [x for x in self._num_items if isinstance(x, torch.Tensor)]
+        if tensor_sizes:
+            device_parts.append(torch.stack([b.reshape(()) for b in tensor_sizes]).float())
+        if tensor_items:
+            device_parts.append(torch.stack([x.reshape(()) for x in tensor_items]).float())
+        host: List[float] = []
+        if device_parts:
+            device = device_parts[0].device
+            packed = torch.cat([p.to(device) for p in device_parts])
+            # SYNC: the one batched device->host copy of the step metrics, every
+            # log_every_n_steps updates and at epoch end.
+            host = packed.tolist()
+        losses = host[:n]
+        offset = n
+        grad_norms = host[offset : offset + len(self._grad_norms)]
+        offset += len(self._grad_norms)
+        size_values = iter(host[offset : offset + len(tensor_sizes)])
+        offset += len(tensor_sizes)
+        item_values = iter(host[offset : offset + len(tensor_items)])
+        batch_sizes = [
+            int(next(size_values)) if isinstance(b, torch.Tensor) else int(b) for b in self._batch_sizes
+        ]
+        num_items = None
+        if self._num_items:
+            num_items = int(
+                sum(next(item_values) if isinstance(x, torch.Tensor) else x for x in self._num_items)
+            )
+        nonfinite = not all(_is_finite(v) for v in losses)
+        self.nonfinite_seen |= nonfinite
+        self.loss_sum += sum(l * b for l, b in zip(losses, batch_sizes))
+        self.sample_count += sum(batch_sizes)
+        now = time.perf_counter()
+        metrics = FlushedMetrics(
+            phase=self.phase,
+            epoch=self.epoch,
+            step_indices=list(self._steps),
+            losses=losses,
+            batch_sizes=batch_sizes,
+            num_updates=num_updates,
+            grad_norms=grad_norms,
+            skipped_updates=skipped_updates,
+            nonfinite=nonfinite,
+            epoch_loss_sum=self.loss_sum,
+            epoch_sample_count=self.sample_count,
+            is_epoch_end=is_epoch_end,
+            elapsed_s=now - self._last_flush,
+            num_items=num_items,
+        )
+        self._last_flush = now
+        self._losses.clear()
+        self._batch_sizes.clear()
+        self._num_items.clear()
+        self._steps.clear()
+        self._grad_norms.clear()
+        return metrics

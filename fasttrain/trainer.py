@@ -1,0 +1,626 @@
+"""The Trainer: pytorch-accelerated's API, with a step loop that never waits on the device.
+
+Read ``_run_train_epoch`` top to bottom to see a training epoch: each micro-step runs through
+the chosen step engine, its loss is kept on the device, and the host sees step metrics only at
+flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Iterable, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from torch.utils.data import DataLoader
+
+from fasttrain import checkpointing
+from fasttrain.callbacks import (
+    CallbackHandler,
+    LimitBatchesCallback,
+    StopTrainingError,
+    get_default_callbacks,
+)
+from fasttrain.engine import create_engine
+from fasttrain.engine.clipping import GradientClipper
+from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
+from fasttrain.run_config import TrainerRunConfig
+from fasttrain.step_metrics import StepMetricsBuffer
+from fasttrain.tracking import InMemoryRunHistory, RunHistory
+from fasttrain.utils import LIMIT_BATCHES_ENV_VAR, worker_init_fn
+from fasttrain import validation
+
+DEFAULT_CALLBACKS = get_default_callbacks()
+
+__all__ = ["Trainer", "TrainerPlaceholderValues", "DEFAULT_CALLBACKS"]
+
+
+class Trainer:
+    """Trains and evaluates a model with overridable hooks and callbacks.
+
+    The first five arguments are pytorch-accelerated's. fasttrain's own options are keyword-only:
+
+    :param engine: how a step runs: ``"eager"``, ``"compiled"``, ``"cudagraph"`` or ``"auto"``
+        (the fastest that works on the device).
+    :param log_every_n_steps: optimizer updates between flushes of the step metrics to the host
+        (the ``on_metrics_flush`` event). Larger means fewer synchronisations.
+    :param mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``; ``None`` honours
+        accelerate's configuration and environment (``accelerate launch``).
+    :param seed: when given, seeds every library (distinct per process) at the start of each
+        ``train()``/``evaluate()``. fasttrain never seeds on its own.
+    :param compile_options: keyword arguments for ``torch.compile`` used by the compiled engines.
+    """
+
+    def __init__(
+        self,
+        model,
+        loss_func,
+        optimizer,
+        callbacks=DEFAULT_CALLBACKS,
+        run_history: Optional[RunHistory] = None,
+        *,
+        engine: str = "auto",
+        log_every_n_steps: int = 50,
+        mixed_precision: Optional[str] = None,
+        seed: Optional[int] = None,
+        compile_options: Optional[dict] = None,
+    ):
+        validation.positive_int("log_every_n_steps", log_every_n_steps)
+        validation.engine_name(engine)
+        self.model = model
+        self.loss_func = loss_func
+        self.optimizer = optimizer
+        self._callbacks = callbacks
+        self.callback_handler = self._create_callback_handler()
+        self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
+        self.engine_name = engine
+        self.log_every_n_steps = log_every_n_steps
+        self.mixed_precision = mixed_precision
+        self.seed = seed
+        self.compile_options = dict(compile_options or {})
+        self._accelerator = self._create_accelerator()
+        self._pad_uneven_eval_batches = False
+        self._engine = None
+        self._clipper: Optional[GradientClipper] = None
+        self._num_updates = 0
+        self._skipped_updates = 0
+        self._resume_position = None
+        self._train_buffer: Optional[StepMetricsBuffer] = None
+        self._epoch_start_rng = None
+        self._step_in_epoch = 0
+        # filled in by train()/evaluate()
+        self.create_scheduler_fn = None
+        self.scheduler = None
+        self.collate_fn = None
+        self.train_dataset = None
+        self.eval_dataset = None
+        self._train_dataloader = None
+        self._train_dl_kwargs = None
+        self._eval_dl_kwargs = None
+        self._eval_dataloader = None
+        self.run_config: Optional[TrainerRunConfig] = None
+        self.callback_handler.call_event("on_init_end", self)
+
+    # ------------------------------------------------------------------ construction helpers
+    def _create_callback_handler(self) -> CallbackHandler:
+        callbacks = []
+        limit = os.getenv(LIMIT_BATCHES_ENV_VAR)
+        if limit is not None and limit.lower() != "none":
+            callbacks.append(LimitBatchesCallback(int(limit)))
+        callbacks.extend(self._callbacks)
+        return CallbackHandler(callbacks)
+
+    def _create_accelerator(self) -> Accelerator:
+        return Accelerator(mixed_precision=self.mixed_precision)
+
+    def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None) -> Iterable:
+        """The training dataloader: the defaults of :meth:`get_default_train_dl_kwargs` updated
+        with ``train_dl_kwargs``."""
+        kwargs = self.get_default_train_dl_kwargs(batch_size)
+        if train_dl_kwargs is not None:
+            kwargs.update(train_dl_kwargs)
+        self._train_dl_kwargs = kwargs
+        return DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **kwargs)
+
+    def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: dict = None) -> Iterable:
+        """The evaluation dataloader, built like :meth:`create_train_dataloader`."""
+        kwargs = self.get_default_eval_dl_kwargs(batch_size)
+        if eval_dl_kwargs is not None:
+            kwargs.update(eval_dl_kwargs)
+        self._eval_dl_kwargs = kwargs
+        return DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **kwargs)
+
+    def create_scheduler(self):
+        """Call ``create_scheduler_fn`` with the optimizer, placeholders resolved."""
+        values = {
+            "NUM_EPOCHS": self.run_config.num_epochs,
+            "NUM_UPDATE_STEPS_PER_EPOCH": self.run_config.num_update_steps_per_epoch,
+            "PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH": self.run_config.num_local_update_steps_per_epoch,
+            "TRAIN_DATALOADER_LEN": len(self._train_dataloader),
+            "EVAL_DATALOADER_LEN": len(self._eval_dataloader) if self._eval_dataloader is not None else None,
+        }
+        scheduler_fn = resolve_placeholders(self.create_scheduler_fn, values)
+        return scheduler_fn(self.optimizer)
+
+    def get_default_train_dl_kwargs(self, batch_size) -> dict:
+        return {
+            "shuffle": True,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": self._default_num_workers(),
+            "worker_init_fn": worker_init_fn,
+        }
+
+    def get_default_eval_dl_kwargs(self, batch_size) -> dict:
+        return {
+            "shuffle": False,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": self._default_num_workers(),
+            "worker_init_fn": worker_init_fn,
+        }
+
+    @staticmethod
+    def _default_num_workers() -> int:
+        cpus = os.cpu_count() or 1
+        if torch.cuda.is_available():
+            cpus //= max(torch.cuda.device_count(), 1)
+        return max(cpus, 1)
+
+    @property
+    def device(self):
+        return self._accelerator.device
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer updates performed in the current training run."""
+        return self._num_updates
+
+    @property
+    def skipped_updates(self) -> int:
+        return self._skipped_updates
+
+    # ------------------------------------------------------------------ hooks
+    def training_run_start(self):
+        pass
+
+    def train_epoch_start(self):
+        self.model.train()
+
+    def calculate_train_batch_loss(self, batch) -> dict:
+        """Compute the loss of a training batch. Returns a dict with ``loss``,
+        ``model_outputs``, ``batch_size`` and optionally ``num_items_in_batch`` and any other
+        keys, which reach the callbacks."""
+        xb, yb = batch[0], batch[1]
+        model_outputs = self.model(xb)
+        loss = self.loss_func(model_outputs, yb)
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+
+    def backward_step(self, loss):
+        if self._plain_backward:
+            loss.backward()
+        else:
+            # a loss scaler (fp16) or DeepSpeed needs accelerate's backward
+            self._accelerator.backward(loss)
+
+    def optimizer_step(self):
+        self.optimizer.step()
+
+    def scheduler_step(self):
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def optimizer_zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def train_epoch_end(self):
+        pass
+
+    def eval_epoch_start(self):
+        self.model.eval()
+
+    def calculate_eval_batch_loss(self, batch) -> dict:
+        with torch.no_grad():
+            xb, yb = batch[0], batch[1]
+            model_outputs = self.model(xb)
+            loss = self.loss_func(model_outputs, yb)
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+
+    def eval_epoch_end(self):
+        pass
+
+    def training_run_epoch_end(self):
+        pass
+
+    def training_run_end(self):
+        pass
+
+    def evaluation_run_start(self):
+        pass
+
+    def evaluation_run_end(self):
+        pass
+
+    # ------------------------------------------------------------------ public entry points
+    def train(
+        self,
+        train_dataset,
+        num_epochs,
+        eval_dataset=None,
+        per_device_batch_size=8,
+        max_num_train_steps=None,
+        gradient_accumulation_steps=1,
+        gradient_clip_value=None,
+        create_scheduler_fn=None,
+        train_dataloader_kwargs: dict = None,
+        eval_dataloader_kwargs: dict = None,
+        reset_run_history=True,
+        collate_fn=None,
+        resume_from=None,
+        *,
+        gradient_clip_norm=None,
+    ):
+        """Train the model; evaluate after every epoch when ``eval_dataset`` is given.
+
+        ``max_num_train_steps`` counts optimizer updates and, when given, sets the number of
+        epochs. ``gradient_clip_value`` clamps every gradient element, ``gradient_clip_norm``
+        rescales all gradients to a global L2 norm; both happen once per update, after the
+        gradients of all micro-steps are accumulated. ``resume_from`` is a directory written by
+        :meth:`save_training_state`: training continues from the exact step it was saved at.
+        """
+        validation.train_arguments(
+            train_dataset=train_dataset,
+            num_epochs=num_epochs,
+            per_device_batch_size=per_device_batch_size,
+            max_num_train_steps=max_num_train_steps,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_clip_value=gradient_clip_value,
+            gradient_clip_norm=gradient_clip_norm,
+            create_scheduler_fn=create_scheduler_fn,
+        )
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.create_scheduler_fn = create_scheduler_fn
+        self.collate_fn = collate_fn
+        if resume_from is not None:
+            reset_run_history = False
+        if reset_run_history:
+            self.run_history.reset()
+        self._train_dataloader = self.create_train_dataloader(
+            batch_size=per_device_batch_size, train_dl_kwargs=train_dataloader_kwargs
+        )
+        self._eval_dataloader = None
+        if self.eval_dataset is not None:
+            self._eval_dataloader = self.create_eval_dataloader(
+                batch_size=per_device_batch_size, eval_dl_kwargs=eval_dataloader_kwargs
+            )
+        self._prepare_model_optimizer_and_dataloaders()
+        self.run_config = self._create_run_config(
+            num_epochs=num_epochs,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_num_train_steps=max_num_train_steps,
+            per_device_batch_size=per_device_batch_size,
+            gradient_clip_value=gradient_clip_value,
+        )
+        validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
+        self._check_eval_batch_size()
+        self._gradient_clip_norm = gradient_clip_norm
+        self._clipper = GradientClipper(
+            self.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
+        )
+        self.scheduler = self.create_scheduler() if self.create_scheduler_fn is not None else None
+        self._setup_engine()
+        self._num_updates = 0
+        self._skipped_updates = 0
+        self._resume_position = None
+        if resume_from is not None:
+            metadata = self.load_training_state(resume_from)
+            self._resume_position = checkpointing.resume_position(metadata)
+            self.print(
+                f"Resumed training state from {resume_from} (epoch "
+                f"{self.run_history.current_epoch}, update {self._num_updates})"
+            )
+        self._run_training()
+
+    def evaluate(self, dataset=None, per_device_batch_size=8, dataloader_kwargs: dict = None, collate_fn=None):
+        """Evaluate the model on ``dataset``; records ``evaluation_loss``. Resets the run
+        history."""
+        validation.positive_int("per_device_batch_size", per_device_batch_size)
+        self.eval_dataset = dataset
+        self.collate_fn = collate_fn
+        self.run_history.reset()
+        self._train_dataloader = None
+        self._eval_dataloader = self.create_eval_dataloader(
+            batch_size=per_device_batch_size, eval_dl_kwargs=dataloader_kwargs
+        )
+        self._prepare_model_optimizer_and_dataloaders()
+        self.run_config = self._create_run_config(
+            num_epochs=1,
+            gradient_accumulation_steps=1,
+            max_num_train_steps=None,
+            per_device_batch_size=per_device_batch_size,
+            gradient_clip_value=None,
+        )
+        validation.dataloader_not_empty(self._eval_dataloader, "eval", per_device_batch_size)
+        self._check_eval_batch_size()
+        self._setup_engine()
+        self._run_evaluation()
+
+    # ------------------------------------------------------------------ setup
+    def _prepare_model_optimizer_and_dataloaders(self):
+        self._accelerator.free_memory()
+        self._accelerator = self._create_accelerator()
+        if self.seed is not None:
+            set_seed(self.seed, device_specific=True)
+        components = [self.model, self.optimizer]
+        if self._train_dataloader is not None:
+            components.append(self._train_dataloader)
+        if self._eval_dataloader is not None:
+            components.append(self._eval_dataloader)
+        prepared = list(self._accelerator.prepare(*components))
+        self.model, self.optimizer = prepared[0], prepared[1]
+        rest = prepared[2:]
+        if self._train_dataloader is not None:
+            self._train_dataloader = rest.pop(0)
+            # every process sees the same number of training batches, so the update count is
+            # known on the host without asking the other processes
+            self._train_dataloader.batch_sampler.even_batches = True
+        if self._eval_dataloader is not None:
+            self._eval_dataloader = rest.pop(0)
+            # no padding samples in evaluation: the mean loss is over real samples only
+            self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches
+        acc = self._accelerator
+        self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
+
+    def _setup_engine(self):
+        self._engine = create_engine(self.engine_name, self)
+        self._engine.setup()
+
+    def _create_run_config(
+        self, per_device_batch_size, num_epochs, gradient_accumulation_steps, max_num_train_steps, gradient_clip_value
+    ) -> TrainerRunConfig:
+        train_bs = (self._train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+        eval_bs = (self._eval_dl_kwargs or {}).get("batch_size", train_bs) if self._eval_dl_kwargs else train_bs
+        processes = self._accelerator.num_processes
+        if self._train_dataloader is not None:
+            local_batches = len(self._train_dataloader)
+            updates_per_epoch = math.ceil(local_batches * processes / gradient_accumulation_steps)
+            local_updates_per_epoch = math.ceil(local_batches / gradient_accumulation_steps)
+        else:
+            updates_per_epoch = local_updates_per_epoch = 0
+        if max_num_train_steps is None:
+            # one more than the run can reach, so the limit never ends an epoch early
+            max_num_train_steps = num_epochs * updates_per_epoch + 1
+        elif local_updates_per_epoch > 0:
+            # every process performs the same optimizer updates, so max_num_train_steps counts
+            # updates of any one process
+            num_epochs = math.ceil(max_num_train_steps / local_updates_per_epoch)
+        return TrainerRunConfig(
+            num_epochs=num_epochs,
+            train_per_device_batch_size=train_bs,
+            train_dl_kwargs=self._train_dl_kwargs,
+            eval_per_device_batch_size=eval_bs,
+            eval_dl_kwargs=self._eval_dl_kwargs,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_clip_value=gradient_clip_value,
+            train_total_batch_size=train_bs * processes * gradient_accumulation_steps,
+            eval_total_batch_size=eval_bs * processes,
+            num_update_steps_per_epoch=updates_per_epoch,
+            num_local_update_steps_per_epoch=local_updates_per_epoch,
+            max_num_train_steps=max_num_train_steps,
+            is_local_process_zero=self._accelerator.is_local_main_process,
+            is_world_process_zero=self._accelerator.is_main_process,
+            is_distributed=self._accelerator.distributed_type != DistributedType.NO,
+            mixed_precision=self._accelerator.mixed_precision,
+            num_processes=processes,
+        )
+
+    def _check_eval_batch_size(self):
+        if self.eval_dataset is None or not self.run_config.is_distributed:
+            return
+        if self.run_config.eval_total_batch_size > len(self.eval_dataset):
+            raise ValueError(
+                f"The total evaluation batch size {self.run_config.eval_total_batch_size} across "
+                f"all processes is larger than the evaluation dataset ({len(self.eval_dataset)} "
+                "samples); lower per_device_batch_size or the eval batch_size."
+            )
+
+    # ------------------------------------------------------------------ the loops
+    def _run_training(self):
+        self.training_run_start()
+        self.callback_handler.call_event("on_training_run_start", self)
+        for _ in range(self.run_history.current_epoch - 1 if self._resume_position else 0, self.run_config.num_epochs):
+            try:
+                reached_max_steps = self._run_train_epoch(self._train_dataloader)
+                if self.eval_dataset is not None:
+                    self._run_eval_epoch(self._eval_dataloader)
+                self.training_run_epoch_end()
+                self.callback_handler.call_event("on_training_run_epoch_end", self)
+                self.run_history._increment_epoch()
+            except StopTrainingError as e:
+                self._accelerator.print(e)
+                self.callback_handler.call_event("on_stop_training_error", self)
+                break
+            if reached_max_steps:
+                self.print(
+                    f"Reached max number of training steps {self.run_config.max_num_train_steps} "
+                    f"in epoch {self.run_history.current_epoch - 1}"
+                )
+                break
+        self.training_run_end()
+        self.callback_handler.call_event("on_training_run_end", self)
+
+    def _run_evaluation(self):
+        self.evaluation_run_start()
+        self.callback_handler.call_event("on_evaluation_run_start", self)
+        try:
+            self._run_eval_epoch(self._eval_dataloader, is_training=False)
+        except StopTrainingError as e:
+            self._accelerator.print(e)
+            self.callback_handler.call_event("on_stop_training_error", self)
+        self.evaluation_run_end()
+        self.callback_handler.call_event("on_evaluation_run_end", self)
+
+    def _run_train_epoch(self, train_dl) -> bool:
+        self.train_epoch_start()
+        handler = self.callback_handler
+        handler.call_event("on_train_epoch_start", self)
+        buffer = self._train_buffer = StepMetricsBuffer("train", self.run_history.current_epoch)
+        k = self.run_config.gradient_accumulation_steps
+        max_updates = self.run_config.max_num_train_steps
+        num_batches = len(train_dl)
+        batches, first_step = checkpointing.epoch_batches(self, train_dl, buffer)
+        step_start = handler.handlers("on_train_step_start")
+        step_end = handler.handlers("on_train_step_end")
+        engine = self._engine
+        reached_max_steps = False
+        for step, batch in enumerate(batches, start=first_step):
+            self._step_in_epoch = step
+            for callback in step_start:
+                callback(self)
+            update = (step + 1) % k == 0 or step + 1 == num_batches
+            batch_output = engine.train_step(batch, update)
+            buffer.add(step, batch_output)
+            if update:
+                self._num_updates += 1
+                buffer.add_grad_norm(engine.last_grad_norm)
+            self._step_in_epoch = step + 1
+            for callback in step_end:
+                callback(self, batch=batch, batch_output=batch_output, step=step)
+            if update:
+                if self._num_updates % self.log_every_n_steps == 0:
+                    self._flush(buffer, is_epoch_end=False)
+                if self._num_updates >= max_updates:
+                    reached_max_steps = True
+                    break
+        self.train_epoch_end()
+        self._flush(buffer, is_epoch_end=True)
+        self._train_buffer = None
+        self._add_epoch_loss_to_run_history("train_loss_epoch", buffer)
+        handler.call_event("on_train_epoch_end", self)
+        return reached_max_steps
+
+    def _run_eval_epoch(self, valid_dl, is_training: bool = True, is_intermediate: bool = False):
+        self.eval_epoch_start()
+        handler = self.callback_handler
+        handler.call_event("on_eval_epoch_start", self, is_intermediate=is_intermediate)
+        buffer = StepMetricsBuffer("eval", self.run_history.current_epoch)
+        step_start = handler.handlers("on_eval_step_start")
+        step_end = handler.handlers("on_eval_step_end")
+        engine = self._engine
+        with self._join_uneven_eval_inputs():
+            for step, batch in enumerate(valid_dl):
+                for callback in step_start:
+                    callback(self)
+                batch_output = engine.eval_step(batch)
+                buffer.add(step, batch_output)
+                for callback in step_end:
+                    callback(self, batch=batch, batch_output=batch_output)
+                if len(buffer) >= self.log_every_n_steps:
+                    self._flush(buffer, is_epoch_end=False)
+        self.eval_epoch_end()
+        self._flush(buffer, is_epoch_end=True)
+        if is_intermediate:
+            name = "intermediate_eval_loss"
+        elif is_training:
+            name = "eval_loss_epoch"
+        else:
+            name = "evaluation_loss"
+        self._add_epoch_loss_to_run_history(name, buffer)
+        handler.call_event("on_eval_epoch_end", self, is_intermediate=is_intermediate)
+
+    def _join_uneven_eval_inputs(self):
+        # DDP may broadcast buffers in forward; processes with fewer eval batches must not leave
+        # the others waiting
+        return self._accelerator.join_uneven_inputs([self.model], even_batches=self._pad_uneven_eval_batches)
+
+    def _flush(self, buffer: StepMetricsBuffer, is_epoch_end: bool):
+        if len(buffer) == 0 and not is_epoch_end:
+            return
+        metrics = buffer.flush(
+            num_updates=self._num_updates, skipped_updates=self._skipped_updates, is_epoch_end=is_epoch_end
+        )
+        self.callback_handler.call_event("on_metrics_flush", self, metrics=metrics)
+
+    def _add_epoch_loss_to_run_history(self, metric_name: str, buffer: StepMetricsBuffer):
+        totals = torch.tensor(
+            [buffer.loss_sum, buffer.sample_count],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        if self.run_config.is_distributed:
+            # SYNC: one all-reduce per epoch makes the epoch loss the mean over all processes
+            totals = self._accelerator.reduce(totals, reduction="sum")
+        total_loss, count = totals.tolist()
+        self.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
+
+    # ------------------------------------------------------------------ engine support
+    def _loss_for_backward(self, batch_output: dict):
+        """The loss that backward sees: divided by the accumulation steps, and multiplied by the
+        number of processes for token-normalised losses, whose normaliser already spans all
+        processes while DDP averages gradients over them."""
+        loss = batch_output["loss"]
+        config = self.run_config
+        if "num_items_in_batch" in batch_output and config.is_distributed:
+            loss = loss * config.num_processes
+        if config.gradient_accumulation_steps > 1:
+            loss = loss / config.gradient_accumulation_steps
+        return loss
+
+    def _clip_gradients(self):
+        """Clip the gradients once per update (after all micro-steps have accumulated); returns
+        the global norm as a device tensor when clipping by norm."""
+        if self._clipper is None or not self._clipper.enabled:
+            return None
+        if self._accelerator.scaler is not None:
+            # fp16: gradients are scaled until the optimizer step; clip the true values
+            self._accelerator.unscale_gradients()
+        return self._clipper()
+
+    def _optimizer_step_was_skipped(self) -> bool:
+        return bool(getattr(self.optimizer, "step_was_skipped", False))
+
+    # ------------------------------------------------------------------ utilities
+    def gather(self, tensor, padding_value=None):
+        """Gather ``tensor`` from all processes, concatenated on the first dimension; with
+        ``padding_value``, tensors of different lengths are padded and the padding removed."""
+        if padding_value is not None:
+            tensor = self._accelerator.pad_across_processes(tensor, pad_index=padding_value)
+        gathered = self._accelerator.gather(tensor)
+        if padding_value is not None:
+            from fasttrain.utils import remove_padding
+
+            gathered = remove_padding(gathered, padding_value)
+        return gathered
+
+    def print(self, *args, **kwargs):
+        """``print`` once per node."""
+        if self._accelerator is not None:
+            self._accelerator.print(*args, **kwargs)
+        else:
+            print(*args, **kwargs)
+
+    def get_model(self, keep_torch_compile=True):
+        """The model without its distributed wrappers."""
+        return self._accelerator.unwrap_model(self.model, keep_torch_compile=keep_torch_compile)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_path, checkpoint_kwargs=None, save_optimizer=True, save_scheduler=True, save_per_node=True):
+        """Save model (and optimizer, scheduler) state and ``checkpoint_kwargs`` as one ``.pt``
+        file, written atomically."""
+        checkpointing.save_checkpoint(self, save_path, checkpoint_kwargs, save_optimizer, save_scheduler, save_per_node)
+
+    def load_checkpoint(self, checkpoint_path, load_optimizer=True, load_scheduler=True):
+        """Load a file written by :meth:`save_checkpoint`; returns the whole dict."""
+        return checkpointing.load_checkpoint(self, checkpoint_path, load_optimizer, load_scheduler)
+
+    def save_training_state(self, output_dir, checkpoint_kwargs=None):
+        """Save everything needed to continue training from this exact step."""
+        checkpointing.save_training_state(self, output_dir, checkpoint_kwargs)
+
+    def load_training_state(self, input_dir):
+        """Load a directory written by :meth:`save_training_state`; returns its metadata."""
+        return checkpointing.load_training_state(self, input_dir)
