@@ -91,6 +91,8 @@ class Trainer:
         self._train_buffer: Optional[StepMetricsBuffer] = None
         self._epoch_start_rng = None
         self._step_in_epoch = 0
+        self._plain_backward = True
+        self._wrapped_optimizer_needed = False
         # filled in by train()/evaluate()
         self.create_scheduler_fn = None
         self.scheduler = None
@@ -207,14 +209,14 @@ class Trainer:
             self._accelerator.backward(loss)
 
     def optimizer_step(self):
-        self.optimizer.step()
+        self._stepping_optimizer().step()
 
     def scheduler_step(self):
         if self.scheduler is not None:
             self.scheduler.step()
 
     def optimizer_zero_grad(self):
-        self.optimizer.zero_grad()
+        self._stepping_optimizer().zero_grad()
 
     def train_epoch_end(self):
         pass
@@ -374,6 +376,14 @@ class Trainer:
             self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches
         acc = self._accelerator
         self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
+        # accelerate's optimizer wrapper is needed for loss scaling and for XLA/DeepSpeed/
+        # Megatron; otherwise it only adds per-step bookkeeping (package look-ups, signature
+        # inspection) that costs more than a small model's whole step
+        self._wrapped_optimizer_needed = acc.scaler is not None or acc.distributed_type in (
+            DistributedType.XLA,
+            DistributedType.DEEPSPEED,
+            DistributedType.MEGATRON_LM,
+        )
 
     def _setup_engine(self):
         self._engine = create_engine(self.engine_name, self)
@@ -579,6 +589,13 @@ class Trainer:
             # fp16: gradients are scaled until the optimizer step; clip the true values
             self._accelerator.unscale_gradients()
         return self._clipper()
+
+    def _stepping_optimizer(self):
+        """The optimizer whose ``step``/``zero_grad`` the default hooks call: accelerate's
+        wrapper when it does real work, the wrapped optimizer otherwise."""
+        if self._wrapped_optimizer_needed:
+            return self.optimizer
+        return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def _optimizer_step_was_skipped(self) -> bool:
         return bool(getattr(self.optimizer, "step_was_skipped", False))
