@@ -24,6 +24,7 @@ from fasttrain.callbacks import (
     StopTrainingError,
     get_default_callbacks,
 )
+from fasttrain.data import place_single_process
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
@@ -35,7 +36,22 @@ from fasttrain import validation
 
 DEFAULT_CALLBACKS = get_default_callbacks()
 
-__all__ = ["Trainer", "TrainerPlaceholderValues", "DEFAULT_CALLBACKS"]
+__all__ = ["Trainer", "TrainerPlaceholderValues", "DEFAULT_CALLBACKS", "replace_trainer_placeholder_values"]
+
+
+def replace_trainer_placeholder_values(trainer, instance):
+    """``instance`` (usually a ``functools.partial``) with every placeholder among its keyword
+    arguments replaced by the trainer's current value."""
+    config = trainer.run_config
+    eval_dl = trainer._eval_dataloader
+    values = {
+        "NUM_EPOCHS": config.num_epochs,
+        "NUM_UPDATE_STEPS_PER_EPOCH": config.num_update_steps_per_epoch,
+        "PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH": config.num_local_update_steps_per_epoch,
+        "TRAIN_DATALOADER_LEN": len(trainer._train_dataloader) if trainer._train_dataloader is not None else None,
+        "EVAL_DATALOADER_LEN": len(eval_dl) if eval_dl is not None else None,
+    }
+    return resolve_placeholders(instance, values)
 
 
 class Trainer:
@@ -137,14 +153,7 @@ class Trainer:
 
     def create_scheduler(self):
         """Call ``create_scheduler_fn`` with the optimizer, placeholders resolved."""
-        values = {
-            "NUM_EPOCHS": self.run_config.num_epochs,
-            "NUM_UPDATE_STEPS_PER_EPOCH": self.run_config.num_update_steps_per_epoch,
-            "PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH": self.run_config.num_local_update_steps_per_epoch,
-            "TRAIN_DATALOADER_LEN": len(self._train_dataloader),
-            "EVAL_DATALOADER_LEN": len(self._eval_dataloader) if self._eval_dataloader is not None else None,
-        }
-        scheduler_fn = resolve_placeholders(self.create_scheduler_fn, values)
+        scheduler_fn = replace_trainer_placeholder_values(self, self.create_scheduler_fn)
         return scheduler_fn(self.optimizer)
 
     def get_default_train_dl_kwargs(self, batch_size) -> dict:
@@ -357,24 +366,30 @@ class Trainer:
         self._accelerator = self._create_accelerator()
         if self.seed is not None:
             set_seed(self.seed, device_specific=True)
+        acc = self._accelerator
+        shard_dataloaders = acc.num_processes > 1 or acc.distributed_type != DistributedType.NO
         components = [self.model, self.optimizer]
-        if self._train_dataloader is not None:
-            components.append(self._train_dataloader)
-        if self._eval_dataloader is not None:
-            components.append(self._eval_dataloader)
-        prepared = list(self._accelerator.prepare(*components))
+        if shard_dataloaders:
+            components += [dl for dl in (self._train_dataloader, self._eval_dataloader) if dl is not None]
+        prepared = list(acc.prepare(*components))
         self.model, self.optimizer = prepared[0], prepared[1]
-        rest = prepared[2:]
-        if self._train_dataloader is not None:
+        if not shard_dataloaders:
+            if self._train_dataloader is not None:
+                self._train_dataloader = place_single_process(self._train_dataloader, acc.device)
+            if self._eval_dataloader is not None:
+                self._eval_dataloader = place_single_process(self._eval_dataloader, acc.device)
+            rest = []
+        else:
+            rest = prepared[2:]
+        if rest and self._train_dataloader is not None:
             self._train_dataloader = rest.pop(0)
             # every process sees the same number of training batches, so the update count is
             # known on the host without asking the other processes
             self._train_dataloader.batch_sampler.even_batches = True
-        if self._eval_dataloader is not None:
+        if rest and self._eval_dataloader is not None:
             self._eval_dataloader = rest.pop(0)
             # no padding samples in evaluation: the mean loss is over real samples only
             self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches
-        acc = self._accelerator
         self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
         # accelerate's optimizer wrapper is needed for loss scaling and for XLA/DeepSpeed/
         # Megatron; otherwise it only adds per-step bookkeeping (package look-ups, signature
