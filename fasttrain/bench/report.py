@@ -1,0 +1,253 @@
+"""Turning a :class:`~fasttrain.bench.runner.BenchResult` into tables and files.
+
+Throughput is summarised by the median over repeats, with the minimum and maximum beside it so a
+noisy run shows itself. Ratios divide medians of the same run: ``x bare`` is a peer's steps/s over
+the bare loop's (above 1 is faster), ``x pt-acc`` the same against pytorch-accelerated.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from typing import Dict, List, Optional
+
+from fasttrain.bench.peers import BASELINE
+from fasttrain.bench.runner import BenchResult
+
+PTA = "pytorch-accelerated"
+
+#: the CSV's columns, in order; also the keys of every row of :func:`summarize`.
+CSV_FIELDS = (
+    "peer",
+    "status",
+    "reason",
+    "repeats",
+    "steps_per_s_median",
+    "steps_per_s_min",
+    "steps_per_s_max",
+    "items",
+    "items_per_s_median",
+    "items_per_s_min",
+    "items_per_s_max",
+    "ms_per_step_median",
+    "ratio_vs_bare",
+    "ratio_vs_pytorch_accelerated",
+    "host_syncs_per_step",
+    "cuda_syncs_per_step",
+    "recompiles_after_warmup",
+    "graph_breaks",
+    "peak_memory_mb",
+    "memory_kind",
+    "mfu",
+    "gpu_utilization_mean",
+    "gpu_power_mean_w",
+    "setup_s",
+    "notes",
+)
+
+
+def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Dict[str, object]]:
+    """One row per peer, with the keys of :data:`CSV_FIELDS`."""
+    wl = bench.workload
+    items_per_step = wl["items_per_step"]
+    flops_per_step = wl.get("flops_per_step")
+    medians = {
+        p.name: statistics.median(1.0 / t for t in p.step_times)
+        for p in bench.peers
+        if p.status == "ok" and p.step_times
+    }
+    rows = []
+    for p in bench.peers:
+        rates = sorted(1.0 / t for t in p.step_times) if p.status == "ok" else []
+        med = medians.get(p.name)
+        row = dict.fromkeys(CSV_FIELDS)
+        row.update(
+            peer=p.name,
+            status=p.status if (p.status != "ok" or rates) else "failed",
+            reason=p.reason if (p.status != "ok" or rates) else "every repeat was shorter than timer noise; raise --steps",
+            repeats=len(rates),
+            items=wl["items"],
+            host_syncs_per_step=p.host_syncs_per_step,
+            cuda_syncs_per_step=p.cuda_syncs_per_step,
+            recompiles_after_warmup=p.recompiles,
+            graph_breaks=p.graph_breaks,
+            peak_memory_mb=p.peak_memory_mb,
+            memory_kind=p.memory_kind,
+            gpu_utilization_mean=p.gpu.get("utilization_mean"),
+            gpu_power_mean_w=p.gpu.get("power_mean_w"),
+            setup_s=p.setup_s,
+            notes="; ".join(p.notes) or None,
+        )
+        if rates:
+            row.update(
+                steps_per_s_median=med,
+                steps_per_s_min=rates[0],
+                steps_per_s_max=rates[-1],
+                items_per_s_median=med * items_per_step,
+                items_per_s_min=rates[0] * items_per_step,
+                items_per_s_max=rates[-1] * items_per_step,
+                ms_per_step_median=1000.0 / med,
+            )
+            if BASELINE in medians:
+                row["ratio_vs_bare"] = med / medians[BASELINE]
+            if PTA in medians:
+                row["ratio_vs_pytorch_accelerated"] = med / medians[PTA]
+            if flops_per_step and peak_flops:
+                row["mfu"] = flops_per_step * med / peak_flops
+            if p.invalid_repeats:
+                extra = f"{p.invalid_repeats} repeat(s) dropped as noise"
+                row["notes"] = f"{row['notes']}; {extra}" if row["notes"] else extra
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str = ".3g", none: str = "n/a") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, spec)
+
+
+def _rate(value) -> str:
+    if value is None:
+        return "n/a"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
+    """Header plus one list of cells per peer, shared by the terminal and Markdown tables."""
+    items = next((r["items"] for r in rows), "samples")
+    header = ["peer", "steps/s [min-max]", f"{items}/s", "x bare", "x pt-acc", "syncs/step",
+              "recompiles", "peak MB", "MFU", "GPU util"]
+    out = [header]
+    for r in rows:
+        if r["status"] != "ok":
+            out.append([r["peer"], f"{r['status']}: {r['reason']}"] + [""] * (len(header) - 2))
+            continue
+        syncs = _fmt(r["host_syncs_per_step"], ".3g")
+        if r["cuda_syncs_per_step"] is not None:
+            syncs += f" ({_fmt(r['cuda_syncs_per_step'], '.3g')} cuda)"
+        out.append([
+            r["peer"] + (" *" if r["notes"] else ""),
+            f"{_rate(r['steps_per_s_median'])} [{_rate(r['steps_per_s_min'])}-{_rate(r['steps_per_s_max'])}]",
+            _rate(r["items_per_s_median"]),
+            _fmt(r["ratio_vs_bare"], ".2f"),
+            _fmt(r["ratio_vs_pytorch_accelerated"], ".2f"),
+            syncs,
+            str(r["recompiles_after_warmup"]),
+            _fmt(r["peak_memory_mb"], ".0f"),
+            _fmt(r["mfu"] * 100 if r["mfu"] is not None else None, ".1f", "n/a") + ("%" if r["mfu"] is not None else ""),
+            _fmt(r["gpu_utilization_mean"], ".0f") + ("%" if r["gpu_utilization_mean"] is not None else ""),
+        ])
+    return out
+
+
+def _title(bench: BenchResult) -> str:
+    wl, s = bench.workload, bench.settings
+    return (
+        f"{wl['workload']} ({wl['size']}, batch {wl['batch_size']}, {wl['amp_dtype']}) on {wl['device']}"
+        f" · {s['steps']} steps after {s['warmup']} warm-up, {s['repeats']} repeats, interleaved"
+        f" · {s.get('clock', 'wall')} clock"
+    )
+
+
+_MEMORY_MEANING = {
+    "cuda_max_allocated": "peak MB: CUDA max_memory_allocated over setup and warm-up, above what "
+    "earlier peers keep resident",
+    "cpu_peak_rss_delta": "peak MB: growth of the process's peak RSS over setup and warm-up (a lower "
+    "bound: memory freed by earlier peers is reused without growth)",
+}
+
+
+def _notes(rows: List[Dict[str, object]]) -> List[str]:
+    lines = [f"* {r['peer']}: {r['notes']}" for r in rows if r["status"] == "ok" and r["notes"]]
+    lines.append(
+        "syncs/step: host reads of device values per step (.item(), .tolist(), bool(), float(), "
+        ".cpu(), ...) outside PyTorch itself; '(n cuda)': synchronising CUDA operations reported "
+        "by sync-debug mode"
+    )
+    kinds = {r["memory_kind"] for r in rows if r["status"] == "ok" and r["memory_kind"]}
+    lines += [_MEMORY_MEANING[k] for k in sorted(kinds) if k in _MEMORY_MEANING]
+    return lines
+
+
+def format_table(bench: BenchResult, rows: List[Dict[str, object]]) -> str:
+    """A plain-text table for the terminal."""
+    cells = table_rows(rows)
+    measured = [row for row in cells if row[2]]  # unavailable peers span the row; keep them out
+    widths = [max(len(row[i]) for row in measured) for i in range(len(cells[0]))]
+    widths[0] = max(len(row[0]) for row in cells)
+    lines = [_title(bench)]
+    for n, row in enumerate(cells):
+        if n > 0 and not row[2]:  # an unavailable peer: one cell spanning the row
+            lines.append(f"{row[0]:<{widths[0]}}  {row[1]}")
+            continue
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += _notes(rows)
+    return "\n".join(lines)
+
+
+def format_markdown(bench: BenchResult, rows: List[Dict[str, object]]) -> str:
+    cells = table_rows(rows)
+    lines = [f"**{_title(bench)}**", "", "| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    for row in cells[1:]:
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
+    lines += [""] + _notes(rows)
+    return "\n".join(lines) + "\n"
+
+
+def _write_png(bench: BenchResult, rows: List[Dict[str, object]], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the plot is an optional extra: pip install fasttrain[plot]
+        return False
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return False
+    names = [r["peer"] for r in ok]
+    med = [r["steps_per_s_median"] for r in ok]
+    err = [[m - r["steps_per_s_min"] for m, r in zip(med, ok)], [r["steps_per_s_max"] - m for m, r in zip(med, ok)]]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(ok) + 1.5))
+    bars = ax.barh(names, med, xerr=err, color=["#888888" if n == BASELINE else "#3b75af" for n in names])
+    for bar, r in zip(bars, ok):
+        if r["ratio_vs_bare"] is not None:
+            # Right of the error bar, so the two never overlap.
+            ax.text(r["steps_per_s_max"], bar.get_y() + bar.get_height() / 2, f"  {r['ratio_vs_bare']:.2f}x", va="center")
+    ax.set_xlim(0, max(r["steps_per_s_max"] for r in ok) * 1.15)
+    ax.invert_yaxis()
+    ax.set_xlabel("steps/s (median, min-max over repeats)")
+    ax.set_title(_title(bench), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_reports(
+    bench: BenchResult, out_dir: str, rows: List[Dict[str, object]], environment: Dict[str, object]
+) -> Dict[str, str]:
+    """Write ``<workload>-<size>.{json,csv,md,png}`` to ``out_dir``; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{bench.workload['workload']}-{bench.workload['size']}")
+    paths = {"json": stem + ".json", "csv": stem + ".csv", "md": stem + ".md"}
+    with open(paths["json"], "w") as f:
+        json.dump({"environment": environment, **bench.to_dict(), "summary": rows}, f, indent=2, default=str)
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(paths["md"], "w") as f:
+        f.write(format_markdown(bench, rows))
+    if _write_png(bench, rows, stem + ".png"):
+        paths["png"] = stem + ".png"
+    return paths

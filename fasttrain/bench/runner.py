@@ -1,0 +1,318 @@
+"""Running the peers: warm-up and measurement runs, then interleaved timed repeats.
+
+How a peer is timed. A run is one whole training call of ``n`` steps (see peers.py). Per repeat,
+the runner times ``run(W)`` and ``run(W + N)`` back to back, W the warm-up steps and N the
+measured steps, and takes ``(T(W + N) - T(W)) / N`` as the steady-state time of one step. The
+difference cancels everything a training call pays once — building a DataLoader iterator,
+``train()``'s setup and epoch-end work, Lightning's ``fit`` machinery — and the first W steps of
+each call, so what remains is the cost of steps W..W+N inside a running loop. Every peer is timed
+the same way, with the clock read only around whole calls: nothing runs per step on behalf of the
+measurement. Each run ends with a device synchronisation, so the clock covers the work. The clock
+is wall time, or process CPU time for single-threaded CPU runs on shared hosts (see ``CLOCKS``).
+
+Order. All peers are set up and warmed up first. Then ``for repeat: for peer: time(peer)``, so
+slow drift of the machine (clock boost, thermal state, other tenants) spreads over every peer
+instead of biasing whichever ran last.
+
+Counting. Host syncs and recompiles are counted in separate, untimed runs after warm-up (the sync
+counter patches tensor methods and would slow the loops it counts), with the same difference of
+two runs, so the per-call costs such as an epoch-end loss read drop out. Recompiles are also
+counted over every timed run, since they cost nothing to read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from fasttrain.bench.counters import RecompileCounter, SyncCounter
+from fasttrain.bench.gpu_metrics import GpuSampler
+from fasttrain.bench.peers import PeerUnavailable, device_sync, make_peer
+from fasttrain.bench.workloads import Workload
+
+try:
+    import resource
+except ImportError:  # not on Windows; memory is then reported as n/a
+    resource = None
+
+
+@dataclass
+class PeerResult:
+    name: str
+    status: str = "ok"  # "ok", "unavailable" or "failed"
+    reason: Optional[str] = None
+    #: steady-state seconds per step, one per repeat.
+    step_times: List[float] = field(default_factory=list)
+    #: repeats whose difference came out non-positive (noise larger than N steps' work).
+    invalid_repeats: int = 0
+    setup_s: Optional[float] = None
+    #: Python-level host syncs per step (``.item()``, ``.cpu()``, ...), and CUDA-reported ones.
+    host_syncs_per_step: Optional[float] = None
+    cuda_syncs_per_step: Optional[float] = None
+    sync_methods: Dict[str, float] = field(default_factory=dict)
+    #: syncs per step by calling line, to find where a loop syncs.
+    sync_sites: Dict[str, float] = field(default_factory=dict)
+    recompiles: int = 0
+    new_graphs: int = 0
+    graph_breaks: int = 0
+    peak_memory_mb: Optional[float] = None
+    memory_kind: Optional[str] = None
+    gpu: Dict[str, object] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    workload: Dict[str, object]
+    settings: Dict[str, object]
+    peers: List[PeerResult]
+
+    def to_dict(self) -> Dict[str, object]:
+        return {"workload": self.workload, "settings": self.settings, "peers": [asdict(p) for p in self.peers]}
+
+
+@contextlib.contextmanager
+def quiet():
+    """Send every peer's console output (progress bars, prints, log records) to a null stream.
+
+    The peers still do the work of producing it — tqdm still formats its bar — so the default
+    callbacks run as users run them, minus the terminal's own cost, which is not the trainer's.
+    Applied to all peers alike.
+    """
+    sink = open(os.devnull, "w")
+    previous_disable = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logging.disable(previous_disable)
+        sink.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class _Memory:
+    """Peak memory attributable to one peer's setup and warm-up.
+
+    CUDA: the allocator's peak minus what was allocated before (other peers' weights stay
+    resident). CPU: growth of the process's peak RSS; it reads 0 when the peer fits in memory an
+    earlier peer already touched, so it is a lower bound.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = None
+        self._base = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.kind = "cuda_max_allocated"
+        elif resource is not None:
+            self._base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.kind = "cpu_peak_rss_delta"
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def peak_mb(self) -> Optional[float]:
+        if self.kind == "cuda_max_allocated":
+            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        if self.kind == "cpu_peak_rss_delta":
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            # Linux reports KiB, macOS bytes.
+            scale = 2**20 if sys.platform == "darwin" else 2**10
+            return (peak - self._base) / scale
+        return None
+
+
+_FALLBACK_WORDS = ("fall back", "falls back", "falling back", "fallback")
+
+
+def _setup_peer(peer, result: PeerResult, warmup: int, steps: int, count_syncs: bool) -> None:
+    """Build and warm up one peer, then count its syncs and recompiles per step."""
+    wl = peer.workload
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _Memory(wl.device) as mem:
+            t0 = time.perf_counter()
+            peer.setup()
+            peer.run(warmup)  # compile, capture, allocator growth: everything a first call pays
+            result.setup_s = time.perf_counter() - t0
+            if count_syncs:
+                on_gpu = wl.device.type == "cuda"
+                with RecompileCounter() as rc:
+                    with SyncCounter(skip_cpu_tensors=on_gpu) as short:
+                        peer.run(warmup)
+                    with SyncCounter(skip_cpu_tensors=on_gpu) as long:
+                        peer.run(warmup + steps)
+                result.host_syncs_per_step = (long.count - short.count) / steps
+                if long.cuda_syncs is not None:
+                    result.cuda_syncs_per_step = (long.cuda_syncs - short.cuda_syncs) / steps
+                methods = set(long.by_method) | set(short.by_method)
+                result.sync_methods = {
+                    m: (long.by_method[m] - short.by_method[m]) / steps
+                    for m in sorted(methods)
+                    if long.by_method[m] != short.by_method[m]
+                }
+                result.sync_sites = {
+                    f"{m} @ {site}": round((long.by_site[(m, site)] - short.by_site[(m, site)]) / steps, 4)
+                    for m, site in long.by_site
+                    if long.by_site[(m, site)] > short.by_site[(m, site)]
+                }
+                result.recompiles += rc.recompiles
+                result.new_graphs += rc.new_graphs
+                result.graph_breaks += rc.graph_breaks
+            device_sync(wl.device)
+        result.peak_memory_mb = mem.peak_mb()
+        result.memory_kind = mem.kind
+    seen = set()
+    for w in caught:
+        msg = str(w.message).strip().splitlines()[0] if str(w.message).strip() else ""
+        if any(word in msg.lower() for word in _FALLBACK_WORDS) and msg not in seen:
+            seen.add(msg)
+            result.notes.append(msg)
+
+
+#: "wall": elapsed time, what a user waits for; the only meaningful clock when a GPU does the work.
+#: "cpu": this process's CPU time. On a CPU run with one intra-op thread every bit of training
+#: work is done by this process, so its CPU time equals the wall time of an idle machine, but it
+#: does not count the time the process sits descheduled while neighbours use the cores: on a
+#: shared host it removes most of the noise. With several threads it would also count their
+#: spin-waiting, so it is for single-threaded CPU runs only.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time_pair(peer, warmup: int, steps: int, clock=time.perf_counter) -> float:
+    """Seconds per steady-state step from one (short, long) pair of runs."""
+    # SYNC: start the clock with an idle device, so no earlier work is billed to this pair.
+    device_sync(peer.device)
+    t0 = clock()
+    peer.run(warmup)
+    t1 = clock()
+    peer.run(warmup + steps)
+    t2 = clock()
+    return ((t2 - t1) - (t1 - t0)) / steps
+
+
+def _merge_gpu(summaries: List[Dict[str, object]]) -> Dict[str, object]:
+    ok = [s for s in summaries if s.get("available") and s.get("samples")]
+    if not summaries:
+        return {}
+    if not ok:
+        return {"available": False, "reason": summaries[0].get("reason") or "no samples"}
+    out: Dict[str, object] = {"available": True, "samples": sum(s["samples"] for s in ok)}
+    for key in ("utilization_mean", "power_mean_w", "sm_clock_mean_mhz"):
+        vals = [s[key] for s in ok if s.get(key) is not None]
+        out[key] = sum(vals) / len(vals) if vals else None
+    for key in ("utilization_max", "memory_used_max_mb"):
+        vals = [s[key] for s in ok if s.get(key) is not None]
+        out[key] = max(vals) if vals else None
+    return out
+
+
+def run_benchmark(
+    workload: Workload,
+    peer_names: List[str],
+    steps: int,
+    warmup: int,
+    repeats: int,
+    progress: bool = True,
+    count_syncs: bool = True,
+    gpu_metrics: bool = True,
+    settings: Optional[Dict[str, object]] = None,
+    clock: str = "wall",
+) -> BenchResult:
+    if steps < 1 or warmup < 1 or repeats < 1:
+        raise ValueError("steps, warmup and repeats must each be at least 1")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, not {clock!r}")
+    if clock == "cpu" and workload.device.type != "cpu":
+        raise ValueError("the cpu clock cannot see GPU work; use the wall clock on CUDA")
+    clock_fn = CLOCKS[clock]
+    from tqdm.auto import tqdm
+
+    # One epoch must hold the longest run: the trainers stop at max_num_train_steps within it.
+    workload.resize(warmup + steps)
+    results = {name: PeerResult(name) for name in peer_names}
+    peers = {}
+    bar = tqdm(
+        total=len(peer_names) * (repeats + 1), desc="bench", unit="run", file=sys.stderr,
+        disable=not progress, leave=False,
+    )
+    try:
+        for name in peer_names:
+            bar.set_postfix_str(f"setup {name}")
+            peer = make_peer(name, workload)
+            res = results[name]
+            try:
+                with quiet():
+                    _setup_peer(peer, res, warmup, steps, count_syncs)
+                peers[name] = peer
+            except PeerUnavailable as exc:
+                res.status, res.reason = "unavailable", str(exc)
+                peer.close()
+            except Exception as exc:  # a peer that cannot be built is reported, not fatal
+                res.status, res.reason = "unavailable", _first_line(exc)
+                peer.close()
+            gc.collect()
+            bar.update(1)
+
+        sampler = GpuSampler(workload.device) if gpu_metrics else None
+        gpu_summaries: Dict[str, List[Dict[str, object]]] = {n: [] for n in peers}
+        for repeat in range(repeats):
+            for name, peer in list(peers.items()):
+                bar.set_postfix_str(f"repeat {repeat + 1}/{repeats} {name}")
+                res = results[name]
+                # Same starting state for every measurement: garbage left by the previous peer
+                # must not be collected on this one's clock.
+                gc.collect()
+                try:
+                    with quiet(), RecompileCounter() as rc:
+                        if sampler is not None:
+                            sampler.start()
+                        try:
+                            per_step = _time_pair(peer, warmup, steps, clock_fn)
+                        finally:
+                            if sampler is not None:
+                                gpu_summaries[name].append(sampler.stop())
+                except Exception as exc:
+                    res.status, res.reason = "failed", f"during repeat {repeat + 1}: {_first_line(exc)}"
+                    peer.close()
+                    del peers[name]
+                    continue
+                res.recompiles += rc.recompiles
+                res.new_graphs += rc.new_graphs
+                res.graph_breaks += rc.graph_breaks
+                if per_step > 0:
+                    res.step_times.append(per_step)
+                else:
+                    res.invalid_repeats += 1
+                bar.update(1)
+        if sampler is not None:
+            sampler.close()
+            for name, summaries in gpu_summaries.items():
+                results[name].gpu = _merge_gpu(summaries)
+    finally:
+        bar.close()
+        for peer in peers.values():
+            peer.close()
+    all_settings = {"steps": steps, "warmup": warmup, "repeats": repeats, "peers": peer_names, "clock": clock}
+    all_settings.update(settings or {})
+    return BenchResult(workload=workload.describe(), settings=all_settings, peers=[results[n] for n in peer_names])

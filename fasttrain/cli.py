@@ -1,0 +1,158 @@
+"""The ``fasttrain`` command line.
+
+``fasttrain bench`` trains one synthetic workload with every peer side by side and prints their
+throughput as ratios to a bare PyTorch loop (method: fasttrain/bench/runner.py and
+benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+#: (steps, warmup, repeats) per workload and device type; chosen so that the default CPU run of
+#: the mlp finishes within about a minute on two cores, and GPU runs fit in a few minutes.
+_SCHEDULES = {
+    ("mlp", "cpu"): (150, 10, 5),
+    ("convnet", "cpu"): (8, 2, 3),
+    ("gpt", "cpu"): (100, 10, 3),
+    ("mlp", "cuda"): (500, 50, 5),
+    ("convnet", "cuda"): (100, 20, 5),
+    ("gpt", "cuda"): (100, 20, 3),
+}
+_GPT_124M_CUDA = (40, 10, 3)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fasttrain.bench.peers import PEERS
+    from fasttrain.bench.workloads import SIZES, WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="fasttrain", description="fasttrain command line tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    b = sub.add_parser(
+        "bench",
+        help="measure training throughput of fasttrain and its peers side by side",
+        description="Train a synthetic workload with every peer, interleaved, and report steps/s, "
+        "ratios to a bare PyTorch loop, host syncs per step, recompiles, memory and MFU.",
+    )
+    b.add_argument("--workload", choices=WORKLOADS, default="mlp", help="default: mlp")
+    sizes = sorted({s for table in SIZES.values() for s in table})
+    b.add_argument("--size", choices=sizes, default=None,
+                   help="model size (default: small for mlp/convnet, tiny for gpt; 124m is gpt only)")
+    b.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="per-step batch (default: 64 mlp, 512 convnet, 8 gpt)")
+    b.add_argument("--steps", type=_positive_int, default=None, help="measured steps per repeat")
+    b.add_argument("--warmup", type=_positive_int, default=None,
+                   help="steps run before the measured ones in every training call")
+    b.add_argument("--repeats", type=_positive_int, default=None, help="interleaved repeats per peer")
+    b.add_argument("--peers", default=None,
+                   help=f"comma-separated subset of: {', '.join(PEERS)} (default: all; bare is always run)")
+    b.add_argument("--out", default="bench_out", help="directory for JSON/CSV/Markdown/PNG (default: bench_out)")
+    b.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    b.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default on CPU: 1, since intra-op threads oversubscribe small "
+                   "machines and add noise; on CUDA: torch's default)")
+    b.add_argument("--channels-last", action="store_true", help="channels_last memory format (convnet only)")
+    b.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="autocast precision (default: bf16 for gpt on CUDA, fp32 otherwise)")
+    b.add_argument("--peak-tflops", type=_positive_float, default=None,
+                   help="device peak TFLOP/s for MFU (default: looked up for known GPUs)")
+    b.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                   help="what times a run: wall time, or process CPU time, which ignores time spent "
+                   "descheduled on a shared host (default auto: cpu for single-threaded CPU runs, "
+                   "wall otherwise)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    from fasttrain.bench.hardware import describe_environment, peak_flops
+    from fasttrain.bench.peers import resolve_peers
+    from fasttrain.bench.report import format_table, summarize, write_reports
+    from fasttrain.bench.runner import run_benchmark
+    from fasttrain.bench.workloads import SIZES, make_workload
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was asked for but CUDA is not available here; use --device cpu")
+    size = args.size
+    if size is not None and size not in SIZES[args.workload]:
+        parser.error(f"--size {size} does not exist for --workload {args.workload}; "
+                     f"choose one of {', '.join(SIZES[args.workload])}")
+    if args.channels_last and args.workload != "convnet":
+        parser.error("--channels-last applies to --workload convnet only")
+    try:
+        peer_names = resolve_peers(args.peers)
+    except ValueError as exc:
+        parser.error(f"--peers: {exc}")
+
+    steps, warmup, repeats = _SCHEDULES[(args.workload, device)]
+    if args.workload == "gpt" and size == "124m" and device == "cuda":
+        steps, warmup, repeats = _GPT_124M_CUDA
+    steps, warmup, repeats = args.steps or steps, args.warmup or warmup, args.repeats or repeats
+
+    threads = args.threads or (1 if device == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    clock = args.clock
+    if clock == "auto":
+        clock = "cpu" if device == "cpu" and torch.get_num_threads() == 1 else "wall"
+    elif clock == "cpu" and device != "cpu":
+        parser.error("--clock cpu cannot see GPU work; use --clock wall (the default) on CUDA")
+
+    workload = make_workload(
+        args.workload, size=size, device=device, batch_size=args.batch_size,
+        channels_last=args.channels_last, precision=args.precision,
+    )
+    precision = "bf16" if workload.amp_dtype is not None else "fp32"
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, precision)
+    environment = describe_environment(device)
+    settings = {"threads": torch.get_num_threads(), "peak_flops": peak, "command": " ".join(sys.argv)}
+    bench = run_benchmark(
+        workload, peer_names, steps=steps, warmup=warmup, repeats=repeats,
+        progress=not args.no_progress, settings=settings, clock=clock,
+    )
+    rows = summarize(bench, peak_flops=peak)
+    print(f"device: {environment['device_name']} · torch {environment['torch']} · "
+          f"{settings['threads']} thread(s)")
+    print(format_table(bench, rows))
+    paths = write_reports(bench, args.out, rows, environment)
+    print("wrote " + ", ".join(paths[k] for k in sorted(paths)))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return _bench(args, parser)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

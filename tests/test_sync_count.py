@@ -1,0 +1,159 @@
+"""fasttrain reads device values on the host only at flushes and epoch ends.
+
+Every Tensor method that copies a value to the host (``item``, ``tolist``, ``__bool__``,
+``__float__``, ``__int__``, ``numpy``, ``cpu``) is wrapped; a call is attributed to fasttrain when
+the frame calling it is in the fasttrain package or in ``kernels/``, and to the user when it is in
+this file. On the CPU these calls cost nothing, but each one would be a host-device
+synchronisation on a GPU, so counting them is how the CPU test suite guards the hot path.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import fasttrain
+import fasttrain.kernels
+from fasttrain import Trainer
+from fasttrain.callbacks import TrainerCallback, get_default_callbacks
+from fasttrain.schedulers import CosineLrScheduler
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
+LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (fasttrain, fasttrain.kernels)
+)
+THIS_FILE = os.path.abspath(__file__)
+
+
+class SyncCounter:
+    """Counts host reads of tensors by who asked: ``library`` (fasttrain, kernels), ``user`` (this
+    test file); ``where`` keeps ``(file, line, method)`` of the library's calls."""
+
+    def __init__(self):
+        self.library = 0
+        self.user = 0
+        self.where = collections.Counter()
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    counter = SyncCounter()
+
+    def wrap(name, original):
+        def wrapper(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            filename = os.path.abspath(frame.f_code.co_filename)
+            if filename.startswith(LIBRARY_DIRS):
+                counter.library += 1
+                counter.where[(os.path.basename(filename), frame.f_lineno, name)] += 1
+            elif filename == THIS_FILE:
+                counter.user += 1
+            return original(self, *args, **kwargs)
+
+        wrapper.__name__ = name
+        return wrapper
+
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    return counter
+
+
+class FlushCounter(TrainerCallback):
+    def __init__(self):
+        self.flushes = 0
+        self.epoch_ends = 0
+
+    def on_metrics_flush(self, trainer, metrics, **kwargs):
+        self.flushes += 1
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        self.epoch_ends += 1
+
+    def on_eval_epoch_end(self, trainer, **kwargs):
+        self.epoch_ends += 1
+
+
+class ItemEveryStep(TrainerCallback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_step_end(self, trainer, batch, batch_output, **kwargs):
+        self.losses.append(batch_output["loss"].item())  # a per-step sync, on the user's side
+
+
+def dataset(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x[:, :1] - x[:, 1:2] + 0.05 * torch.randn(n, 1, generator=g))
+
+
+def run(extra_callbacks=(), log_every_n_steps=None, num_epochs=2):
+    """400 training steps (2 epochs of 200 batches of 2), 20 eval steps per epoch, clipping by
+    value and by norm, a cosine schedule, and the default callbacks (progress bar included)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    flushes = FlushCounter()
+    kwargs = {} if log_every_n_steps is None else {"log_every_n_steps": log_every_n_steps}
+    trainer = Trainer(
+        model,
+        nn.MSELoss(),
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        callbacks=(*get_default_callbacks(), flushes, *extra_callbacks),
+        **kwargs,
+    )
+    trainer.train(
+        train_dataset=dataset(400, 0),
+        eval_dataset=dataset(40, 1),
+        num_epochs=num_epochs,
+        per_device_batch_size=2,
+        gradient_clip_value=0.5,
+        gradient_clip_norm=1.0,
+        create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1),
+        train_dataloader_kwargs={"num_workers": 0},
+        eval_dataloader_kwargs={"num_workers": 0},
+    )
+    return trainer, flushes
+
+
+TRAIN_STEPS = 2 * 200
+EVAL_STEPS = 2 * 20
+PER_FLUSH = 3  # a flush may read its packed values and a few counters
+
+
+def test_syncs_only_at_flushes_and_epoch_ends(sync_counter):
+    trainer, flushes = run()
+    assert trainer.num_updates == TRAIN_STEPS
+    # default interval 50: 8 train flushes + 2 train and 2 eval epoch-end flushes
+    assert flushes.flushes == TRAIN_STEPS // 50 + 4
+    assert flushes.epoch_ends == 4
+    budget = (flushes.flushes + flushes.epoch_ends) * PER_FLUSH
+    assert sync_counter.library <= budget, sync_counter.where.most_common(5)
+    assert sync_counter.library / (TRAIN_STEPS + EVAL_STEPS) < 0.05, sync_counter.where.most_common(5)
+    assert sync_counter.user == 0
+
+
+def test_sync_count_follows_the_flush_interval(sync_counter):
+    """With a flush every update the reads grow with the steps, bounded by the flushes: the
+    count really depends on the interval, not on a fixed setup cost."""
+    trainer, flushes = run(log_every_n_steps=1, num_epochs=1)
+    assert flushes.flushes == 200 + 20 + 2
+    assert sync_counter.library <= (flushes.flushes + flushes.epoch_ends) * PER_FLUSH
+    assert sync_counter.library >= flushes.flushes  # every flush copied its values once
+
+
+def test_a_per_step_item_in_user_code_is_counted_as_the_users(sync_counter):
+    _, quiet_flushes = run(num_epochs=1)
+    library_alone = sync_counter.library
+    assert library_alone > 0  # the wrappers see the library's own (flush) reads
+    sync_counter.library = 0
+    item = ItemEveryStep()
+    _, flushes = run(extra_callbacks=[item], num_epochs=1)
+    assert sync_counter.user == 200 == len(item.losses)
+    assert sync_counter.library == library_alone
+    assert flushes.flushes == quiet_flushes.flushes
