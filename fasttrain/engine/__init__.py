@@ -1,23 +1,50 @@
 """Step engines: how one training micro-step runs (eager, compiled, CUDA-graphed)."""
 
+import torch
+
 from fasttrain.engine.base import StepEngine
+from fasttrain.engine.compiled import CompiledEngine
+from fasttrain.engine.cudagraph import CudaGraphEngine
 from fasttrain.engine.eager import EagerEngine
 
-ENGINES = {"eager": EagerEngine}
+ENGINES = {"eager": EagerEngine, "compiled": CompiledEngine, "cudagraph": CudaGraphEngine}
+
+
+def auto_engine_name(device) -> str:
+    """What ``engine="auto"`` runs on ``device``: on CUDA the CUDA-graphed engine (which falls
+    back to the compiled one, then to eager, with a warning, when it cannot capture); elsewhere
+    eager, since compiling does not pay for itself on the CPU for the small per-step work of
+    typical CPU runs and costs seconds to minutes of compile time."""
+    return "cudagraph" if torch.device(device).type == "cuda" else "eager"
 
 
 def create_engine(name: str, trainer) -> StepEngine:
     """The engine called ``name`` for ``trainer``; ``"auto"`` picks the fastest that works on
     the trainer's device."""
-    if name == "auto":
-        name = "eager"
+    auto = name == "auto"
+    if auto:
+        name = auto_engine_name(trainer.device)
     try:
         engine_cls = ENGINES[name]
     except KeyError:
         raise ValueError(
             f"Unknown engine {name!r}; choose one of {sorted(ENGINES) + ['auto']}"
         ) from None
-    return engine_cls(trainer)
+    engine = engine_cls(trainer)
+    if auto:
+        # "auto" asked for the fastest engine that works: when the graphed one cannot run here
+        # at all (DDP, fp16 scaling, another optimizer), taking the compiled one is the choice,
+        # not a failure to warn about. Hooks that fail later still warn.
+        engine.quiet_setup_fallback = True
+    return engine
 
 
-__all__ = ["StepEngine", "EagerEngine", "create_engine", "ENGINES"]
+__all__ = [
+    "StepEngine",
+    "EagerEngine",
+    "CompiledEngine",
+    "CudaGraphEngine",
+    "auto_engine_name",
+    "create_engine",
+    "ENGINES",
+]

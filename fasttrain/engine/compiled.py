@@ -1,0 +1,425 @@
+"""The compiled step engine: the trainer's hooks run through ``torch.compile``.
+
+Three functions are compiled, each with the hooks it calls inlined:
+
+* the training forward: ``calculate_train_batch_loss`` and the 1/accumulation scaling of the
+  loss (``Trainer._loss_for_backward``). AOTAutograd compiles its backward at the same time, so
+  ``backward_step``'s ``loss.backward()`` runs a compiled backward graph;
+* the update: gradient clipping (the fused kernels, which are custom ops and trace) and
+  ``optimizer_step``. The learning rate and Adam's betas are 0-dim tensors
+  (:mod:`fasttrain.engine.hyperparams`), so a scheduler never causes a recompile;
+* the evaluation forward: ``calculate_eval_batch_loss`` under ``no_grad``.
+
+The scheduler step and ``optimizer_zero_grad`` stay eager, between compiled calls, in the
+eager engine's order.
+
+Shapes are static (``dynamic=False`` unless ``compile_options`` says otherwise): the last,
+smaller batch of an epoch gets its own graph, compiled once, so it costs one extra compile per
+function and keeps the exact loss; later epochs and later ``train()`` calls hit the cache.
+
+The forward hooks are traced with ``fullgraph=True`` (the default of ``compile_options``): a hook
+that cannot be traced whole (a graph break, ``.item()``, branching on a device value) raises
+while it is traced, before anything runs, and the engine falls back to the eager engine with one
+warning naming the hook. Torch's optimizers break the graph around ``step`` on purpose (to keep
+AOTAutograd's no-grad inference graph), so the update is compiled with ``fullgraph=False``.
+Until the first update has succeeded, each micro-step is guarded by a snapshot of everything it
+can mutate, so a failure in the middle of a step is undone before the fallback redoes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+from fasttrain.engine.base import StepEngine
+from fasttrain.engine.eager import EagerEngine
+from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
+from fasttrain.engine.snapshot import StepSnapshot
+
+COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """Validated ``Trainer(compile_options=...)``.
+
+    ``fullgraph`` applies to the forward hooks (the optimizer update is always compiled with
+    graph breaks allowed); ``dynamic`` defaults to ``False`` so that shapes are static.
+    """
+
+    backend: object = "inductor"
+    mode: Optional[str] = None
+    fullgraph: bool = True
+    dynamic: Optional[bool] = False
+    options: Optional[tuple] = None  # inductor options as sorted (key, value) items
+
+    @classmethod
+    def from_options(cls, options: Optional[dict]) -> "CompileSettings":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(COMPILE_OPTION_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Unknown compile_options {unknown}; fasttrain passes only "
+                f"{', '.join(COMPILE_OPTION_KEYS)} to torch.compile."
+            )
+        if options.get("mode") is not None and options.get("options") is not None:
+            raise ValueError(
+                "compile_options: give either 'mode' or 'options' (torch.compile refuses both)"
+            )
+        if "fullgraph" in options and not isinstance(options["fullgraph"], bool):
+            raise ValueError(f"compile_options['fullgraph'] must be True or False, got {options['fullgraph']!r}")
+        if options.get("dynamic") not in (None, True, False):
+            raise ValueError(f"compile_options['dynamic'] must be True, False or None, got {options['dynamic']!r}")
+        if options.get("options") is not None:
+            # kept as sorted items so the settings hash (compiled functions are cached per value)
+            options["options"] = tuple(sorted(dict(options["options"]).items()))
+        return cls(**options)
+
+    def kwargs(self, fullgraph: Optional[bool] = None) -> dict:
+        kwargs = {
+            "backend": self.backend,
+            "fullgraph": self.fullgraph if fullgraph is None else fullgraph,
+            "dynamic": self.dynamic,
+        }
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.options is not None:
+            kwargs["options"] = dict(self.options)
+        return kwargs
+
+
+# ---------------------------------------------------------------------------- compiled bodies
+def _train_forward(trainer, batch):
+    batch_output = trainer.calculate_train_batch_loss(batch)
+    return batch_output, trainer._loss_for_backward(batch_output)
+
+
+def _update(trainer):
+    norm = trainer._clip_gradients()
+    trainer.optimizer_step()
+    return norm
+
+
+def _eval_forward(trainer, batch):
+    with torch.no_grad():
+        return trainer.calculate_eval_batch_loss(batch)
+
+
+def _private_copy(fn: Callable) -> Callable:
+    # Dynamo keeps its cache of compiled graphs on the code object. A copy per trainer keeps one
+    # trainer's graphs (and dynamo's recompile limit, 8 per code object) apart from another's,
+    # so many trainers in one process neither evict each other's graphs nor pay for checking
+    # each other's guards on every call.
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class _CompiledFunctions:
+    """The three compiled callables of one trainer, kept across ``train()`` calls so that a
+    second run with the same shapes reuses the graphs of the first."""
+
+    def __init__(self, settings: CompileSettings):
+        self.settings = settings
+        self.train_forward = torch.compile(_private_copy(_train_forward), **settings.kwargs())
+        self.update = torch.compile(_private_copy(_update), **settings.kwargs(fullgraph=False))
+        self.eval_forward = torch.compile(_private_copy(_eval_forward), **settings.kwargs())
+
+
+_FUNCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_functions(trainer, settings: CompileSettings) -> _CompiledFunctions:
+    per_trainer: Dict[CompileSettings, _CompiledFunctions] = _FUNCTIONS.setdefault(trainer, {})
+    key = settings
+    try:
+        hash(key)
+    except TypeError:  # options dict or a callable backend without a hash: no reuse
+        return _CompiledFunctions(settings)
+    if key not in per_trainer:
+        per_trainer[key] = _CompiledFunctions(settings)
+    return per_trainer[key]
+
+
+def describe_error(error: BaseException) -> str:
+    """A short reason for a warning: the exception type, its first line and, for dynamo's
+    errors, the line of user code that caused it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    for line in lines[1:]:
+        if line.startswith("Caused by:"):
+            reason += f" ({line})"
+            break
+    return reason[:600]
+
+
+def overrides_hook(trainer, name: str) -> bool:
+    """True when the trainer's class overrides the default hook ``name``."""
+    from fasttrain.trainer import Trainer
+
+    return getattr(type(trainer), name) is not getattr(Trainer, name)
+
+
+class CompiledEngine(StepEngine):
+    """Runs each micro-step through compiled functions of the trainer's hooks."""
+
+    name = "compiled"
+    #: switch Adam/AdamW to capturable=True on CUDA: a device-side step counter (no host reads),
+    #: which a tensor learning rate needs with the foreach implementation
+    capturable_optimizer = True
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.settings = CompileSettings.from_options(getattr(trainer, "compile_options", None))
+        self._functions: Optional[_CompiledFunctions] = None
+        self._hparams: Optional[TensorHyperparams] = None
+        self._train_fallback: Optional[StepEngine] = None
+        self._eval_fallback: Optional[StepEngine] = None
+        self._trusted = False
+        self.training = True
+        self._warned_settings = False
+        #: the hook running now, named in fallback warnings
+        self._hook = "calculate_train_batch_loss"
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        trainer = self.trainer
+        # evaluate() sets up an engine without a training dataloader
+        training = self.training = getattr(trainer, "_train_dataloader", None) is not None
+        train_reason = self.unsupported_reason(training=True) if training else None
+        eval_reason = self.unsupported_reason(training=False)
+        if train_reason is None or eval_reason is None:
+            if isinstance(trainer.model, torch.nn.parallel.DistributedDataParallel):
+                # DDP's forward cannot be traced whole: dynamo breaks the graph at DDP's reducer
+                # bookkeeping on purpose and compiles the wrapped module's forward on its own,
+                # split at gradient-bucket boundaries (DDPOptimizer) so that the all-reduces of
+                # the backward overlap it. fullgraph=True would refuse that, falling back to eager.
+                self.settings = dataclasses.replace(self.settings, fullgraph=False)
+            self._functions = compiled_functions(trainer, self.settings)
+        if training and train_reason is None and trainer.optimizer is not None:
+            self._hparams = TensorHyperparams(trainer.optimizer, capturable=self.capturable_optimizer)
+            self._hparams.apply()
+        warn = not self.quiet_setup_fallback
+        if train_reason is not None:
+            self._fall_back_train(None, train_reason, self.setup_fallback, warn=warn, redo=False)
+        if eval_reason is not None:
+            warn_eval = warn and eval_reason != train_reason
+            self._fall_back_eval(None, eval_reason, self.setup_fallback, warn=warn_eval, redo=False)
+
+    def unsupported_reason(self, training: bool) -> Optional[str]:
+        """Why this engine cannot run the training (or evaluation) steps of this trainer at all;
+        checked once, at setup."""
+        return None
+
+    #: the engine used when :meth:`unsupported_reason` gives a reason
+    setup_fallback = EagerEngine
+    #: set by ``engine="auto"``: falling back at setup is then a choice, not worth a warning
+    quiet_setup_fallback = False
+
+    @property
+    def active_engine(self) -> str:
+        """The engine that runs training steps now (differs from :attr:`name` after a fallback)."""
+        if self._train_fallback is not None:
+            return getattr(self._train_fallback, "active_engine", self._train_fallback.name)
+        return self.name
+
+    @property
+    def active_eval_engine(self) -> str:
+        if self._eval_fallback is not None:
+            return getattr(self._eval_fallback, "active_eval_engine", self._eval_fallback.name)
+        return self.name
+
+    # ------------------------------------------------------------------ fallback
+    def _make_fallback(self, engine_cls) -> StepEngine:
+        engine = engine_cls(self.trainer)
+        engine.setup()
+        return engine
+
+    def _fall_back_train(
+        self, hook: Optional[str], reason: str, engine_cls=EagerEngine, warn: bool = True, redo: bool = True
+    ) -> None:
+        if engine_cls is EagerEngine and self._hparams is not None:
+            # The eager engine steps with plain floats (SGD reads a tensor learning rate on the
+            # host every step); a compiled fallback holds them as tensors again in its setup.
+            self._hparams.restore_floats()
+        self._hparams = None
+        self._train_fallback = self._make_fallback(engine_cls)
+        if warn:
+            self._warn(hook, reason, self._train_fallback, redo=redo)
+
+    def _fall_back_eval(
+        self, hook: Optional[str], reason: str, engine_cls=EagerEngine, warn: bool = True, redo: bool = True
+    ) -> None:
+        train_fallback = self._train_fallback
+        if train_fallback is not None and isinstance(train_fallback, engine_cls):
+            self._eval_fallback = train_fallback
+        else:
+            self._eval_fallback = self._make_fallback(engine_cls)
+        if warn:
+            self._warn(hook, reason, self._eval_fallback, phase="evaluation", redo=redo)
+
+    def _warn(
+        self, hook: Optional[str], reason: str, fallback: StepEngine, phase: str = "training", redo: bool = True
+    ) -> None:
+        target = getattr(fallback, "active_engine", fallback.name)
+        where = f"the {hook!r} hook cannot run in the {self.name!r} engine" if hook else (
+            f"the {self.name!r} engine cannot run here"
+        )
+        redone = "; the step that failed was undone and runs there once" if redo else ""
+        warnings.warn(
+            f"fasttrain: {where} ({reason}); {phase} falls back to the {target!r} engine for "
+            f"the rest of this run{redone}.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch, update: bool) -> dict:
+        fallback = self._train_fallback
+        if fallback is not None:
+            batch_output = fallback.train_step(batch, update)
+            self.last_grad_norm = fallback.last_grad_norm
+            return batch_output
+        if self._trusted:
+            return self._guarded_forward_step(batch, update)
+        return self._snapshot_step(batch, update)
+
+    def _snapshot_step(self, batch, update: bool) -> dict:
+        # Until the first update succeeded, any part of the step may fail after another part
+        # ran: snapshot first, undo on failure, redo the step on the fallback engine.
+        trainer = self.trainer
+        snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=_mutated_buffers(trainer))
+        try:
+            batch_output = self._compiled_train_step(batch, update)
+        except Exception as error:  # noqa: BLE001 - any failure falls back, the eager redo re-raises real bugs
+            if _is_control_flow(error):
+                raise
+            snapshot.restore()
+            snapshot.release()
+            error = error.error if isinstance(error, _ForwardFailed) else error
+            self._fall_back_train(self._hook, describe_error(error), EagerEngine)
+            return self.train_step(batch, update)
+        snapshot.release()
+        if update:
+            self._trusted = True
+        return batch_output
+
+    def _guarded_forward_step(self, batch, update: bool) -> dict:
+        # After the first update only a new shape (the last partial batch) traces again; a trace
+        # fails before anything runs, so falling back needs no snapshot.
+        try:
+            return self._compiled_train_step(batch, update)
+        except _ForwardFailed as failure:
+            self._fall_back_train(self._hook, describe_error(failure.error), EagerEngine)
+            return self.train_step(batch, update)
+
+    def _compiled_train_step(self, batch, update: bool) -> dict:
+        trainer = self.trainer
+        # DDP reads no_sync's flag in its forward, so the forward runs inside the context too
+        with self.no_sync_context(update):
+            self._hook = "calculate_train_batch_loss"
+            try:
+                batch_output, loss = self._functions.train_forward(trainer, batch)
+            except Exception as error:  # noqa: BLE001
+                if _is_control_flow(error):
+                    raise
+                raise _ForwardFailed(error) from error
+            self._hook = "backward_step"
+            try:
+                trainer.backward_step(loss)
+            except Exception as error:  # noqa: BLE001
+                # AOTAutograd compiles a new shape's backward on its first call, before it runs:
+                # with the whole forward in one graph, nothing was accumulated yet
+                if _is_control_flow(error) or not self.settings.fullgraph:
+                    raise
+                raise _ForwardFailed(error) from error
+        if update:
+            self._compiled_update()
+        return batch_output
+
+    def _compiled_update(self) -> None:
+        trainer = self.trainer
+        hparams = self._hparams
+        if hparams is not None:
+            if hparams.groups_replaced:
+                hparams.apply()  # the optimizer's state was loaded: hold the new groups' values
+            hparams.sync()
+        self._hook = "optimizer_step"
+        norm = self._functions.update(trainer)
+        if norm is not None:
+            self.last_grad_norm = norm
+        if trainer.scheduler is not None and not trainer._optimizer_step_was_skipped():
+            trainer.scheduler_step()
+            if hparams is not None:
+                hparams.sync()
+                self._check_settings(hparams)
+        self._hook = "optimizer_zero_grad"
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        self.trainer.optimizer_zero_grad()
+
+    def _check_settings(self, hparams: TensorHyperparams) -> None:
+        changes = hparams.changed_settings()
+        if not changes:
+            return
+        hparams.accept_changes()
+        self.on_settings_changed(changes)
+
+    def on_settings_changed(self, changes) -> None:
+        """A scheduler changed optimizer settings that are compiled in as constants."""
+        if self._warned_settings:
+            return
+        self._warned_settings = True
+        warnings.warn(
+            f"fasttrain: the scheduler changes {changes[0]} (and maybe more) between updates; each "
+            "new value recompiles the optimizer step. Keep it constant (e.g. OneCycleLR("
+            "cycle_momentum=False) with SGD); the learning rate and Adam's betas are held as "
+            "tensors and may change freely.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(self, batch) -> dict:
+        fallback = self._eval_fallback
+        if fallback is not None:
+            return fallback.eval_step(batch)
+        try:
+            return self._functions.eval_forward(self.trainer, batch)
+        except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
+            if _is_control_flow(error):
+                raise
+            self._fall_back_eval("calculate_eval_batch_loss", describe_error(error), EagerEngine)
+            return self.eval_step(batch)
+
+
+class _ForwardFailed(Exception):
+    """The compiled forward (or its backward's first compile) failed before this micro-step
+    changed any gradient or parameter: the step can be redone elsewhere as it is."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _mutated_buffers(trainer) -> tuple:
+    # device flags the clipping kernels raise in place, restored with the rest of the step
+    clipper = getattr(trainer, "_clipper", None)
+    guard = getattr(trainer, "_nonfinite", None)
+    return (
+        getattr(clipper, "found_inf", None),
+        getattr(guard, "found_inf", None),
+        getattr(guard, "pending_skips", None),
+    )
+
+
+def _is_control_flow(error: BaseException) -> bool:
+    # StopTrainingError ends training on purpose; it is not a failure of the engine.
+    from fasttrain.callbacks import StopTrainingError
+
+    return isinstance(error, StopTrainingError)

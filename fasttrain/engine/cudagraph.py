@@ -1,0 +1,429 @@
+"""The CUDA-graphed step engine: whole micro-steps captured once and replayed.
+
+Two training graphs are captured, lazily, the first time each is needed after warm-up:
+
+* a non-update micro-step: forward + loss (the compiled ``calculate_train_batch_loss``) and
+  ``backward_step``, accumulating into the gradients;
+* an update micro-step: the same, then gradient clipping, ``optimizer_step`` and
+  ``zero_grad(set_to_none=False)``;
+
+and one evaluation graph (the compiled ``calculate_eval_batch_loss`` under ``no_grad``). Each graph
+also writes its loss (and grad norm, token count) into a device ring with the fused
+``accumulate_loss_`` kernel, so the host gets views it can keep until the next flush.
+
+A replay is: copy the batch into the static input buffers, replay, hand back ring views. The
+scheduler step and callbacks run on the host between replays; the scheduler writes the learning
+rate tensor the graph reads, in place. Nothing in the captured region may read a device value
+on the host: capture runs under ``torch.cuda.set_sync_debug_mode("error")``, so such a read
+raises before it happens, and the engine falls back to the compiled engine with one warning
+naming the hook. The first steps (warm-up) run the compiled engine's path on a side stream;
+that also compiles the functions the graphs then capture, so capture triggers no compilation.
+
+Requirements: a CUDA device, one process (DDP capture needs DDP built on a side stream, which
+accelerate does not do), SGD/Adam/AdamW (captured with ``capturable=True``), no fp16 loss
+scaling, batches of one shape (the last, smaller batch of an epoch runs through the compiled
+path; any other change of shape falls back to the compiled engine), and hooks whose Python
+control flow does not change between steps (a graph replays the kernels recorded at capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import replace
+from typing import Dict, Optional
+
+import torch
+
+from fasttrain.engine.compiled import (
+    CompiledEngine,
+    CompileSettings,
+    _is_control_flow,
+    describe_error,
+    overrides_hook,
+)
+from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
+from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, inner_optimizer
+from fasttrain.engine.snapshot import ReferenceSnapshot
+
+#: compiled runs of one batch shape before it is captured (the first compiles)
+WARMUP_STEPS_PER_SHAPE = 2
+#: micro-steps before the first capture; PyTorch's capture guide warms up three iterations
+MIN_WARMUP_STEPS = 3
+#: batch shapes other than the captured one that may run through the compiled path (the last
+#: partial batch of the training and of the evaluation epoch) before shapes count as dynamic
+MAX_OFF_GRAPH_SHAPES = 1
+
+
+class _CaptureRefused(RuntimeError):
+    """Raised when a captured step would not replay correctly."""
+
+
+@contextlib.contextmanager
+def _host_syncs_raise():
+    # A host read inside a capture would invalidate it (and with it the CUDA stream); with this
+    # mode torch raises a Python error before issuing the read, so the capture ends cleanly.
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _graph_settings(settings: CompileSettings) -> CompileSettings:
+    # The engine captures the graphs itself: inductor must not capture its own inside ours.
+    mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(settings.mode, settings.mode)
+    options = settings.options
+    if options is not None and dict(options).get("triton.cudagraphs"):
+        options = tuple(sorted({**dict(options), "triton.cudagraphs": False}.items()))
+    return replace(settings, mode=mode, options=options)
+
+
+class CudaGraphEngine(CompiledEngine):
+    """Replays captured CUDA graphs of whole micro-steps; see the module docstring."""
+
+    name = "cudagraph"
+    setup_fallback = CompiledEngine
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.settings = _graph_settings(self.settings)
+        self._train_graphs: Dict[bool, CapturedStep] = {}
+        self._eval_graph: Optional[CapturedStep] = None
+        self._static: Optional[StaticBatch] = None
+        self._eval_static: Optional[StaticBatch] = None
+        self._train_ring: Optional[StepRing] = None
+        self._eval_ring: Optional[StepRing] = None
+        self._warm = Counter()
+        self._eval_warm = Counter()
+        self._warm_steps = 0
+        self._warm_updates = 0
+        self._off_graph_shapes = set()
+        self._eval_off_graph_shapes = set()
+        self._stream = None
+        self._pool = None
+        self._own_zero_grad = True
+        # the model each graph was captured with (a callback may swap trainer.model)
+        self._graphed_model = None
+        self._eval_graphed_model = None
+        self._last_trainable = ()
+
+    # ------------------------------------------------------------------ setup
+    def _device_reason(self) -> Optional[str]:
+        device = torch.device(self.trainer.device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return f"CUDA graphs need a CUDA device; the trainer runs on {device}"
+        return None
+
+    def unsupported_reason(self, training: bool) -> Optional[str]:
+        trainer = self.trainer
+        reason = self._device_reason()
+        if reason is not None:
+            return reason
+        if trainer.run_config is not None and trainer.run_config.is_distributed:
+            return (
+                "capturing DDP needs DDP constructed on a side stream and NCCL's async error "
+                "handling off, which accelerate's setup does not do"
+            )
+        if not training:
+            return None
+        if not getattr(trainer, "_plain_backward", True) or getattr(trainer, "_wrapped_optimizer_needed", False):
+            return "fp16 loss scaling and DeepSpeed check the gradients on the host every step"
+        optimizer = inner_optimizer(trainer.optimizer)
+        if not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
+            return (
+                f"{type(optimizer).__name__} has no capturable (sync-free) step; fasttrain "
+                "captures SGD, Adam and AdamW"
+            )
+        for group in optimizer.param_groups:
+            if group.get("fused") or group.get("differentiable"):
+                return "fused or differentiable optimizers are not captured; use the default (foreach)"
+        return None
+
+    def setup(self) -> None:
+        super().setup()
+        trainer = self.trainer
+        if self._train_fallback is not None and self._eval_fallback is not None:
+            return
+        device = torch.device(trainer.device)
+        self._create_stream_and_pool(device)
+        config = trainer.run_config
+        if self.training and self._train_fallback is None:
+            # every micro-step between two flushes needs its own slot
+            accumulation = config.gradient_accumulation_steps
+            self._train_ring = StepRing(trainer.log_every_n_steps * accumulation + accumulation, device)
+            self._train_ring.warm_up()
+            self._own_zero_grad = not overrides_hook(trainer, "optimizer_zero_grad")
+        if self._eval_fallback is None:
+            self._eval_ring = StepRing(trainer.log_every_n_steps + 1, device)
+            self._eval_ring.warm_up()
+
+    def zero_grad(self) -> None:
+        # Graphs write into the gradient tensors that existed at capture: keep them, zeroed.
+        if self._own_zero_grad:
+            inner_optimizer(self.trainer.optimizer).zero_grad(set_to_none=False)
+        else:
+            self.trainer.optimizer_zero_grad()
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch, update: bool) -> dict:
+        if self._train_fallback is not None:
+            return super().train_step(batch, update)
+        if self._graphed_model is not None and self.trainer.model is not self._graphed_model:
+            # a callback swapped the model in (an EMA model, say): the graphs hold the other
+            # one's tensors, so this step runs through the compiled path
+            return super().train_step(batch, update)
+        if getattr(self.trainer, "_step_in_epoch", None) == 0:
+            self._check_trainable()
+        signature = batch_signature(batch)
+        captured = self._train_graphs.get(update)
+        if captured is not None and signature == self._static.signature:
+            return self._replay(captured, batch, update)
+        if self._static is not None and signature != self._static.signature:
+            return self._off_graph_step(batch, update, signature)
+        if self._ready_to_capture(update, signature):
+            return self._capture_and_replay(batch, update, signature)
+        return self._warmup_step(batch, update, signature)
+
+    def _trainable(self) -> tuple:
+        return tuple(p.requires_grad for p in self.trainer.model.parameters())
+
+    def _check_trainable(self) -> None:
+        # Freezing or unfreezing layers (finetuning callbacks do it at epoch starts) changes what
+        # backward computes, which a graph would not see: checked once per epoch, at its first
+        # step, and the graphs are captured again. A newly frozen parameter also loses its
+        # zeroed gradient, so that the optimizer skips it as it does after zero_grad() in eager
+        # (a zero gradient would still move it by momentum and weight decay).
+        trainable = self._trainable()
+        if self._last_trainable and trainable != self._last_trainable:
+            for p, requires_grad in zip(self.trainer.model.parameters(), trainable):
+                if not requires_grad:
+                    p.grad = None
+            self._drop_graphs()
+        self._last_trainable = trainable
+
+    def _is_last_batch(self) -> bool:
+        trainer = self.trainer
+        try:
+            return trainer._step_in_epoch + 1 == len(trainer._train_dataloader)
+        except (AttributeError, TypeError):
+            return False
+
+    def _ready_to_capture(self, update: bool, signature) -> bool:
+        return (
+            self._warm_steps >= MIN_WARMUP_STEPS
+            and self._warm_updates >= 1
+            and self._warm[signature] >= WARMUP_STEPS_PER_SHAPE
+            and not self._is_last_batch()  # the last batch may be partial: never capture it
+        )
+
+    def _warmup_step(self, batch, update: bool, signature) -> dict:
+        # Warm-up runs the compiled path on the side stream the graphs are captured on, so that
+        # lazily created per-stream state (cuBLAS workspaces, the compiled kernels) exists.
+        with self._on_side_stream():
+            batch_output = super().train_step(batch, update)
+        if self._train_fallback is None:
+            self._warm[signature] += 1
+            self._warm_steps += 1
+            self._warm_updates += int(update)
+            if update and not self._own_zero_grad:
+                self._check_gradients_kept()
+        return batch_output
+
+    def _check_gradients_kept(self) -> None:
+        params = [p for g in inner_optimizer(self.trainer.optimizer).param_groups for p in g["params"]]
+        if any(p.requires_grad and p.grad is None for p in params):
+            self._fall_back_train(
+                "optimizer_zero_grad",
+                "it sets the gradients to None, and a graph writes into the gradient tensors it was "
+                "captured with; call zero_grad(set_to_none=False) there",
+                CompiledEngine,
+                redo=False,
+            )
+
+    def _off_graph_step(self, batch, update: bool, signature) -> dict:
+        # A batch of another shape: the epoch's last, partial batch runs through the compiled
+        # path (one extra compile, exact loss); shapes that keep changing mean dynamic shapes.
+        self._off_graph_shapes.add(signature)
+        if not self._is_last_batch() or len(self._off_graph_shapes) > MAX_OFF_GRAPH_SHAPES:
+            self._fall_back_train(
+                "calculate_train_batch_loss",
+                "the batches change shape (dynamic shapes); a CUDA graph replays one shape. Pad "
+                "or bucket the batches to keep graphs",
+                CompiledEngine,
+                redo=False,
+            )
+        return super().train_step(batch, update)
+
+    def _capture_and_replay(self, batch, update: bool, signature) -> dict:
+        if self._static is None:
+            self._static = StaticBatch(batch)
+        static = self._static
+        optimizer = inner_optimizer(self.trainer.optimizer)
+        references = ReferenceSnapshot(optimizer)
+        grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
+        try:
+            graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update))
+            if any(p.grad is not grad for p, grad in grads):
+                raise _CaptureRefused(
+                    "a hook replaced or removed gradient tensors during capture; call "
+                    "zero_grad(set_to_none=False) in optimizer_zero_grad"
+                )
+        except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
+            if _is_control_flow(error):
+                raise
+            references.restore()
+            self._drop_graphs()
+            self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
+            return self.train_step(batch, update)
+        self._train_graphs[update] = CapturedStep(graph, batch_output, norm, self._train_ring)
+        self._graphed_model = self.trainer.model
+        return self._replay(self._train_graphs[update], batch, update)
+
+    def _train_body(self, batch, update: bool):
+        trainer = self.trainer
+        functions = self._functions
+        with self.no_sync_context(update):
+            self._hook = "calculate_train_batch_loss"
+            batch_output, loss = functions.train_forward(trainer, batch)
+            self._hook = "backward_step"
+            trainer.backward_step(loss)
+        norm = None
+        if update:
+            self._hook = "optimizer_step"
+            norm = functions.update(trainer)
+            self._hook = "optimizer_zero_grad"
+            self.zero_grad()
+        self._hook = "loss accumulation"
+        self._train_ring.record(batch_output, norm)
+        return batch_output, norm
+
+    def _replay(self, captured: CapturedStep, batch, update: bool) -> dict:
+        hparams = self._hparams
+        if hparams.groups_replaced:
+            # the optimizer's state was loaded: the graphs hold the old tensors; warm up again
+            self._drop_graphs()
+            hparams.apply()
+            return self.train_step(batch, update)
+        if update:
+            hparams.sync()
+        self._static.load(batch)
+        batch_output, norm = captured.replay()
+        if update:
+            self.last_grad_norm = norm
+            trainer = self.trainer
+            if trainer.scheduler is not None:
+                trainer.scheduler_step()
+                hparams.sync()
+                self._check_settings(hparams)
+        return batch_output
+
+    def on_settings_changed(self, changes) -> None:
+        # The graph has the old value compiled in; the update that just ran used it correctly
+        # (the scheduler runs after the step), the next one would not.
+        self._drop_graphs()
+        self._fall_back_train(
+            None,
+            f"the scheduler changes {changes[0]}, which a captured graph would keep at its captured "
+            "value; the learning rate and Adam's betas are held as tensors and may change",
+            CompiledEngine,
+            redo=False,
+        )
+
+    def _drop_graphs(self) -> None:
+        self._train_graphs.clear()
+        self._graphed_model = None
+        self._static = None
+        self._warm.clear()
+        self._warm_steps = self._warm_updates = 0
+
+    # ------------------------------------------------------------------ CUDA specifics
+    # Kept in these three methods so that the tests can run the engine's logic on the CPU with
+    # host stand-ins for streams and graphs (tests/test_engine_graph_logic.py).
+    def _create_stream_and_pool(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device=device)
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        stream = self._stream
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            # later work on the current stream (and frees of side-stream tensors) waits for it
+            current.wait_stream(stream)
+
+    def _capture(self, body):
+        graph = torch.cuda.CUDAGraph()
+        stream = self._stream
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        try:
+            # thread_local: the DataLoader's pin-memory thread may call CUDA during the capture
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                with _host_syncs_raise():
+                    outputs = body()
+        except BaseException:
+            # when ending an invalidated capture raises, torch.cuda.graph leaves the capture
+            # stream current; the steps that follow must run on the stream they ran on before
+            torch.cuda.set_stream(current)
+            raise
+        current.wait_stream(stream)
+        return graph, outputs
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(self, batch) -> dict:
+        if self._eval_fallback is not None:
+            return self._eval_fallback.eval_step(batch)
+        signature = batch_signature(batch)
+        captured = self._eval_graph
+        if captured is not None and self.trainer.model is not self._eval_graphed_model:
+            # ModelEmaCallback evaluates its EMA model by swapping it in: not the graphed one
+            return super().eval_step(batch)
+        if captured is not None:
+            if signature == self._eval_static.signature:
+                self._eval_static.load(batch)
+                return captured.replay()[0]
+            self._eval_off_graph_shapes.add(signature)
+            if len(self._eval_off_graph_shapes) > MAX_OFF_GRAPH_SHAPES:
+                self._fall_back_eval(
+                    "calculate_eval_batch_loss",
+                    "the evaluation batches change shape (dynamic shapes); a CUDA graph replays one shape",
+                    CompiledEngine,
+                    redo=False,
+                )
+                return self.eval_step(batch)
+            return super().eval_step(batch)
+        if self._eval_warm[signature] >= WARMUP_STEPS_PER_SHAPE:
+            return self._capture_eval(batch, signature)
+        with self._on_side_stream():
+            batch_output = super().eval_step(batch)
+        self._eval_warm[signature] += 1
+        return batch_output
+
+    def _capture_eval(self, batch, signature) -> dict:
+        static = self._eval_static = StaticBatch(batch)
+        ring = self._eval_ring
+
+        def body():
+            self._hook = "calculate_eval_batch_loss"
+            batch_output = self._functions.eval_forward(self.trainer, static.tree)
+            ring.record(batch_output, None)
+            return batch_output
+
+        try:
+            graph, batch_output = self._capture(body)
+        except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
+            if _is_control_flow(error):
+                raise
+            self._eval_static = None
+            self._fall_back_eval(self._hook, describe_error(error), CompiledEngine)
+            return self.eval_step(batch)
+        self._eval_graph = CapturedStep(graph, batch_output, None, ring)
+        self._eval_graphed_model = self.trainer.model
+        static.load(batch)
+        return self._eval_graph.replay()[0]

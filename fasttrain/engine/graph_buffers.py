@@ -1,0 +1,154 @@
+"""Device memory that outlives a CUDA graph replay: static inputs and per-step result rings.
+
+A captured graph reads its inputs from fixed addresses and writes its results to fixed
+addresses. :class:`StaticBatch` holds the input buffers that each batch is copied into.
+:class:`StepRing` holds the per-micro-step values the trainer keeps until a flush (loss, grad
+norm, token count): written inside the graph at a slot the device computes from a call counter,
+which the host mirrors, so that ``batch_output["loss"]`` can be the view ``ring[slot]`` and the
+trainer's :class:`~fasttrain.step_metrics.StepMetricsBuffer` keeps it by reference, with no copy
+and no sync, until the flush reads every slot in one transfer.
+
+Both are allocated outside the graphs' private memory pool, so no replay of another graph
+sharing that pool can overwrite them.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fasttrain.kernels import LossCounters, accumulate_loss_
+
+#: float32 counts integers exactly up to 2**24; the counter restarts well before that
+_COUNTER_RESET = 1 << 23
+
+
+def _flat_tensors(batch) -> bool:
+    # the common batch, a tuple or list of tensors, skips pytree (a few microseconds per step)
+    return type(batch) in (tuple, list) and all(type(leaf) is torch.Tensor for leaf in batch)
+
+
+def batch_signature(batch) -> Tuple:
+    """What a captured graph depends on: the batch's structure and each tensor's shape, stride,
+    dtype and device; other leaves by value."""
+    if _flat_tensors(batch):
+        return (type(batch), tuple((t.shape, t.stride(), t.dtype, t.device) for t in batch))
+    leaves, spec = pytree.tree_flatten(batch)
+    return (spec, tuple(
+        (leaf.shape, leaf.stride(), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else ("value", leaf)
+        for leaf in leaves
+    ))
+
+
+class StaticBatch:
+    """Input buffers shaped like ``batch``; :meth:`load` copies a batch of the same signature in."""
+
+    def __init__(self, batch):
+        leaves, self._spec = pytree.tree_flatten(batch)
+        self.signature = batch_signature(batch)
+        self._flat = _flat_tensors(batch)
+        buffers = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self._tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self._buffers = [buffers[i] for i in self._tensor_index]
+        #: the batch the graphs were captured with
+        self.tree = pytree.tree_unflatten(buffers, self._spec)
+
+    def load(self, batch) -> None:
+        if self._flat:
+            for buffer, leaf in zip(self._buffers, batch):
+                # same device, queued on the current stream: no host sync
+                buffer.copy_(leaf, non_blocking=True)
+            return
+        leaves = pytree.tree_leaves(batch)
+        for buffer, i in zip(self._buffers, self._tensor_index):
+            # same device, queued on the current stream: no host sync
+            buffer.copy_(leaves[i], non_blocking=True)
+
+
+class StepRing:
+    """Ring buffers of per-micro-step values, written inside graphs.
+
+    ``size`` must be at least the number of micro-steps between two flushes, so that no slot is
+    overwritten before the flush has read it.
+
+    Columns of :attr:`aux`: 0 the grad norm of an update, 1 ``num_items_in_batch``, 2 a batch
+    size given as a tensor.
+    """
+
+    AUX_KEYS = ("grad_norm", "num_items_in_batch", "batch_size")
+
+    def __init__(self, size: int, device: torch.device):
+        self.size = int(size)
+        self.losses = LossCounters(device, ring_size=self.size)
+        self.aux = torch.zeros(self.size, len(self.AUX_KEYS), dtype=torch.float32, device=device)
+        # the batch weight of the device counters: the trainer weights losses by batch size on
+        # the host at each flush, so the counters keep plain sums
+        self._weight = torch.ones(1, dtype=torch.float32, device=device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
+        # views made once, so a step only indexes a list
+        self.loss_views: List[torch.Tensor] = [self.losses.ring[i] for i in range(self.size)]
+        self.aux_views: List[List[torch.Tensor]] = [[self.aux[i, j] for j in range(len(self.AUX_KEYS))] for i in range(self.size)]
+        self.calls = 0
+
+    def warm_up(self) -> None:
+        """Run the accumulation kernel once outside any capture (Triton compiles it on its first
+        launch, which a capture cannot record), then clear the counters."""
+        accumulate_loss_(self.losses.counters, self._zero.reshape(1), self._weight, self.losses.ring)
+        self.losses.reset()
+        self.calls = 0
+
+    def record(self, batch_output: dict, norm: Optional[torch.Tensor]) -> None:
+        """Inside the graph: write this micro-step's values at the device-side slot."""
+        counters = self.losses.counters
+        values = [norm, batch_output.get("num_items_in_batch"), batch_output.get("batch_size")]
+        if any(isinstance(v, torch.Tensor) for v in values):
+            slot = counters[3].long().remainder(self.size).reshape(1)
+            row = torch.stack([
+                v.detach().reshape(()).float() if isinstance(v, torch.Tensor) else self._zero for v in values
+            ]).reshape(1, -1)
+            self.aux.index_copy_(0, slot, row)
+        loss = batch_output["loss"]
+        accumulate_loss_(counters, loss.detach().float().mean().reshape(1), self._weight, self.losses.ring)
+
+    def next_slot(self) -> int:
+        """On the host, after a replay: the slot that replay wrote."""
+        calls = self.calls
+        if calls >= _COUNTER_RESET and calls % self.size == 0:
+            # restart the device counter at a ring boundary (slot 0 comes next either way), long
+            # before float32 stops counting exactly; queued on the stream, no sync
+            self.losses.counters[3].zero_()
+            calls = 0
+        self.calls = calls + 1
+        return calls % self.size
+
+
+class CapturedStep:
+    """One captured graph, the outputs it writes, and how to present them per replay."""
+
+    def __init__(self, graph, batch_output: dict, norm: Optional[torch.Tensor], ring: StepRing):
+        self.graph = graph
+        self.ring = ring
+        # outputs are read by callbacks before the next replay; detach so they do not pin the
+        # autograd graph recorded at capture time
+        self.batch_output = {
+            k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in batch_output.items()
+        }
+        self.has_norm = norm is not None
+        self._ring_keys = [
+            (key, StepRing.AUX_KEYS.index(key))
+            for key in ("num_items_in_batch", "batch_size")
+            if isinstance(batch_output.get(key), torch.Tensor)
+        ]
+
+    def replay(self) -> Tuple[dict, Optional[torch.Tensor]]:
+        self.graph.replay()
+        ring = self.ring
+        slot = ring.next_slot()
+        output = dict(self.batch_output)
+        output["loss"] = ring.loss_views[slot]
+        aux = ring.aux_views[slot]
+        for key, column in self._ring_keys:
+            output[key] = aux[column]
+        return output, (aux[0] if self.has_norm else None)

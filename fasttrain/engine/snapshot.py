@@ -1,0 +1,119 @@
+"""Undo a step that failed half way, so a fallback engine can redo it exactly once.
+
+The first compiled (or captured) step of an engine is an experiment: tracing may stop at a
+graph break, inductor may fail to compile, a hook may read a device value during capture. Some of
+these fail after part of the step already ran (the clip kernel scaled the gradients, a forward
+updated BatchNorm statistics). :class:`StepSnapshot` copies every tensor a step can mutate before
+the experiment and writes the copies back, into the same tensor objects, when it fails. It is
+taken at most a few times per engine; its cost is one copy of the model, its gradients and the
+optimizer state, on the same device (a device-to-device copy, no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+def _clone(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class StepSnapshot:
+    """Values of the parameters, buffers, gradients, optimizer state and parameter groups.
+
+    :param extra: more tensors a step mutates in place (e.g. the clipper's ``found_inf``).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, extra=()):
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self._tensors: List[Tuple[torch.Tensor, torch.Tensor]] = [
+                (t, t.detach().clone()) for t in list(model.parameters()) + list(model.buffers())
+            ]
+            self._tensors += [(t, t.detach().clone()) for t in extra if t is not None]
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            seen = {id(p) for p, _ in self._tensors}
+            self._tensors += [(p, p.detach().clone()) for p in params if id(p) not in seen]
+            self._grads: List[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = [
+                (p, p.grad, _clone(p.grad)) for p in params
+            ]
+            self._state: Dict[torch.Tensor, Dict[str, Tuple[object, object]]] = {
+                p: {k: (v, _clone(v)) for k, v in s.items()} for p, s in optimizer.state.items()
+            }
+            self._state_obj = optimizer.state
+            self._groups_obj = optimizer.param_groups
+            self._groups = [
+                (group, {k: (v, _clone(v)) for k, v in group.items() if k != "params"})
+                for group in optimizer.param_groups
+            ]
+
+    def restore(self) -> None:
+        """Write every saved value back into the tensor objects it came from."""
+        opt = self.optimizer
+        with torch.no_grad():
+            for tensor, copy in self._tensors:
+                tensor.copy_(copy)
+            for p, grad, copy in self._grads:
+                if grad is None:
+                    p.grad = None
+                else:
+                    grad.copy_(copy)
+                    p.grad = grad
+            opt.state = self._state_obj
+            opt.param_groups = self._groups_obj
+            # state created lazily by the failed step (first optimizer step) is dropped
+            for p in [p for p in opt.state if p not in self._state]:
+                del opt.state[p]
+            for p, entries in self._state.items():
+                restored = {}
+                for k, (original, copy) in entries.items():
+                    if isinstance(original, torch.Tensor):
+                        original.copy_(copy)
+                    restored[k] = original
+                opt.state[p] = restored
+            for group, entries in self._groups:
+                for k, (original, copy) in entries.items():
+                    if isinstance(original, torch.Tensor):
+                        original.copy_(copy)
+                    group[k] = original
+                for k in [k for k in group if k != "params" and k not in entries]:
+                    del group[k]
+
+    def release(self) -> None:
+        self._tensors = []
+        self._grads = []
+        self._state = {}
+        self._groups = []
+
+
+class ReferenceSnapshot:
+    """Which tensor objects hold the gradients and the optimizer state, without copying values.
+
+    A CUDA graph capture records kernels without running them, so a failed capture changes no
+    values; it can only rebind Python references (a gradient created during capture, optimizer
+    state initialised lazily). This puts the references back.
+    """
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+        self._state_obj = optimizer.state
+        self._state = {p: dict(s) for p, s in optimizer.state.items()}
+        self._groups_obj = optimizer.param_groups
+        self._groups = [(g, dict(g)) for g in optimizer.param_groups]
+
+    def restore(self) -> None:
+        opt = self.optimizer
+        for p, grad in self._grads:
+            p.grad = grad
+        opt.state = self._state_obj
+        for p in [p for p in opt.state if p not in self._state]:
+            del opt.state[p]
+        for p, entries in self._state.items():
+            opt.state[p] = dict(entries)
+        opt.param_groups = self._groups_obj
+        for group, entries in self._groups:
+            group.clear()
+            group.update(entries)

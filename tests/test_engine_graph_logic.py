@@ -1,0 +1,236 @@
+"""The graphed engine's logic on the CPU, with host stand-ins for CUDA streams and graphs.
+
+Everything the engine decides is exercised: when it warms up and when it captures, which graph a
+micro-step replays, the ring slots the host predicts for the losses and grad norms, the partial
+last batch through the compiled path, evaluation graphs, fallbacks. What is replaced are the three
+CUDA-specific methods: streams become no-ops, and a "capture" runs the step once to learn its
+outputs and then undoes it (a real capture records without running), while a "replay" runs it.
+A host read during the stand-in capture raises, as under ``torch.cuda.set_sync_debug_mode``.
+Whether real capture works is for ``test_engine_cudagraph.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fasttrain import Trainer
+from fasttrain.engine import ENGINES
+from fasttrain.engine.cudagraph import CudaGraphEngine
+from fasttrain.engine.hyperparams import inner_optimizer
+from fasttrain.engine.snapshot import StepSnapshot
+
+from engine_cases import MLP, Case, Recorder, Run, assert_runs_match, one_cycle, run, vector_data
+
+AOT = {"backend": "aot_eager"}
+HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+
+class HostGraph:
+    def __init__(self, body):
+        self._body = body
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        self._body()
+
+
+@contextlib.contextmanager
+def _host_reads_raise():
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("called a synchronizing CUDA operation (host read during capture)")
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, refuse)
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+class HostGraphEngine(CudaGraphEngine):
+    graphs = []
+
+    def _device_reason(self):
+        return None
+
+    def _create_stream_and_pool(self, device):
+        self._stream = self._pool = None
+
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        yield
+
+    def _capture(self, body):
+        trainer = self.trainer
+        rings = [r for r in (self._train_ring, self._eval_ring) if r is not None]
+        extra = [t for r in rings for t in (r.losses.buffer, r.aux)]
+        snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=extra)
+        try:
+            with _host_reads_raise():
+                outputs = body()
+        finally:
+            snapshot.restore()  # a capture records the step without running it, even one that fails
+        graph = HostGraph(body)
+        HostGraphEngine.graphs.append(graph)
+        return graph, outputs
+
+
+@pytest.fixture(autouse=True)
+def host_graphs(monkeypatch):
+    torch._dynamo.reset()
+    counters.clear()
+    HostGraphEngine.graphs = []
+    monkeypatch.setitem(ENGINES, "cudagraph", HostGraphEngine)
+    yield
+    torch._dynamo.reset()
+
+
+def _ours(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]
+
+
+def mlp_case(trainer_cls=Trainer, epochs=3, **train_kwargs):
+    kwargs = dict(gradient_accumulation_steps=2, gradient_clip_norm=0.5, create_scheduler_fn=one_cycle())
+    kwargs.update(train_kwargs)
+    return Case(
+        model=MLP,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
+        data=vector_data,
+        epochs=epochs,
+        train_kwargs=kwargs,
+        trainer_cls=trainer_cls,
+    )
+
+
+def test_graphed_steps_match_eager_and_replay_from_the_ring():
+    case = mlp_case()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager")
+        graphed = run(case, "cudagraph", AOT)
+    assert not _ours(caught), _ours(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
+    assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
+    # 70 samples / 8 = 9 batches (the last of 6) x 3 epochs = 27 micro-steps: 3 warm-up steps
+    # (steps 0-2; step 3 is an update after one was warmed, so it is captured and replayed) and
+    # the partial 9th batch of each epoch through the compiled path; the rest are replays
+    train_replays = sum(step.graph.replays for step in engine._train_graphs.values())
+    assert train_replays == 27 - 3 - 3
+    assert engine._eval_graph.graph.replays == 3 * 9 - 2 - 3  # 2 warm-up, 3 partial batches
+    assert_runs_match(eager, graphed)
+
+
+def test_host_read_in_a_captured_hook_falls_back_to_compiled_once():
+    class HostReadingTrainer(Trainer):
+        def optimizer_step(self):
+            super().optimizer_step()
+            self.last_lr = float(self._stepping_optimizer().param_groups[0]["lr"])
+
+    case = mlp_case(HostReadingTrainer, epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager")
+        graphed = run(case, "cudagraph", AOT)
+    messages = _ours(caught)
+    assert len(messages) == 1 and "'optimizer_step'" in messages[0] and "'compiled'" in messages[0], messages
+    assert graphed.trainer._engine.active_engine == "compiled"
+    assert graphed.trainer._engine.active_eval_engine == "cudagraph"
+    assert_runs_match(eager, graphed)
+
+
+def test_changing_shapes_fall_back_to_compiled_once():
+    def ragged(samples):
+        keep = 4 + len(ragged.calls) % 4
+        ragged.calls.append(keep)
+        xs = torch.stack([s[0] for s in samples])[:, :keep].contiguous()
+        return xs, torch.stack([s[1] for s in samples])
+
+    class MeanPool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x.mean(dim=1, keepdim=True) * self.scale
+
+    ragged.calls = []
+    case = Case(model=MeanPool, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05), data=vector_data, epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(case, "cudagraph", {**AOT, "dynamic": None}, collate_fn=ragged, eval_dataset=None)
+    messages = _ours(caught)
+    assert len(messages) == 1 and "dynamic shapes" in messages[0], messages
+    assert graphed.trainer._engine.active_engine == "compiled"
+
+
+def test_a_swapped_in_model_is_evaluated_off_graph(tmp_path):
+    from fasttrain.callbacks import ModelEmaCallback
+
+    def make(engine):
+        case = mlp_case(epochs=3)
+        result = None
+        torch.manual_seed(0)
+        model = case.model()
+        trainer = Trainer(
+            model, case.loss, case.optimizer(model), engine=engine, log_every_n_steps=3,
+            compile_options=AOT, callbacks=[ModelEmaCallback(decay=0.5, save_path=str(tmp_path / f"{engine}.pt"))],
+        )
+        data = case.data()
+        trainer.train(
+            data, 3, eval_dataset=data, per_device_batch_size=8, gradient_accumulation_steps=2,
+            train_dataloader_kwargs={"shuffle": False, "num_workers": 0}, eval_dataloader_kwargs={"num_workers": 0},
+        )
+        return trainer
+
+    eager, graphed = make("eager"), make("cudagraph")
+    assert graphed._engine.active_eval_engine == "cudagraph" and graphed._engine._eval_graph is not None
+    for name in ("eval_loss_epoch", "ema_model_eval_loss_epoch"):
+        torch.testing.assert_close(
+            torch.tensor(graphed.run_history.get_metric_values(name)),
+            torch.tensor(eager.run_history.get_metric_values(name)),
+            rtol=1e-4, atol=1e-5,
+        )
+
+
+def test_freezing_a_layer_at_an_epoch_start_recaptures():
+    from fasttrain.callbacks import TrainerCallback
+
+    class FreezeFirstLayer(TrainerCallback):
+        def on_train_epoch_start(self, trainer, **kwargs):
+            if trainer.run_history.current_epoch == 2:
+                for p in trainer.get_model().net[0].parameters():
+                    p.requires_grad_(False)
+
+    # the callback must be in the trainer's list: build the runs by hand
+    results = {}
+    for engine in ("eager", "cudagraph"):
+        torch.manual_seed(0)
+        case = mlp_case(epochs=3)
+        model = case.model()
+        recorder = Recorder()
+        trainer = Trainer(
+            model, case.loss, case.optimizer(model), engine=engine, log_every_n_steps=3,
+            compile_options=AOT, callbacks=[FreezeFirstLayer(), recorder],
+        )
+        data = case.data()
+        trainer.train(
+            data, 3, per_device_batch_size=8, gradient_accumulation_steps=2, gradient_clip_norm=0.5,
+            train_dataloader_kwargs={"shuffle": False, "num_workers": 0},
+        )
+        state = {k: v.detach().clone() for k, v in trainer.get_model().state_dict().items()}
+        results[engine] = Run(recorder, trainer, state)
+    graphed = results["cudagraph"].trainer._engine
+    assert graphed.active_engine == "cudagraph" and set(graphed._train_graphs) == {False, True}
+    first = results["cudagraph"].trainer.get_model().net[0]
+    assert all(p.grad is None for p in first.parameters())  # skipped by AdamW, as in eager
+    assert_runs_match(results["eager"], results["cudagraph"])

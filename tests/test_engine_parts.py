@@ -1,0 +1,189 @@
+"""The pieces the compiled and graphed engines are built from, tested without compiling.
+
+Tensor hyperparameters (schedulers keep writing into the same tensors), the snapshot that undoes a
+failed step, and the result ring whose slots the host predicts: the ring is exercised on the CPU
+with a stand-in for a CUDA graph whose "replay" runs the same recording code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
+from fasttrain.engine.hyperparams import TensorHyperparams
+from fasttrain.engine.snapshot import ReferenceSnapshot, StepSnapshot
+from fasttrain.schedulers import CosineLrScheduler
+from fasttrain.step_metrics import StepMetricsBuffer
+
+
+def _params(seed=0):
+    torch.manual_seed(seed)
+    return [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2))]
+
+
+# ----------------------------------------------------------------------------- hyperparameters
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
+def test_torch_one_cycle_writes_into_the_held_tensors(opt_cls):
+    kwargs = {"momentum": 0.9} if opt_cls is torch.optim.SGD else {}
+    plain = opt_cls(_params(), lr=0.1, **kwargs)
+    held = opt_cls(_params(), lr=0.1, **kwargs)
+    # SGD's momentum is not held as a tensor: cycling it would recompile, so keep it fixed there
+    cycle = opt_cls is not torch.optim.SGD
+    scheds = [
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=12, cycle_momentum=cycle) for o in (plain, held)
+    ]
+    hparams = TensorHyperparams(held)
+    assert hparams.apply()
+    lr = held.param_groups[0]["lr"]
+    betas = held.param_groups[0].get("betas")
+    assert isinstance(lr, torch.Tensor) and lr.dim() == 0
+    for _ in range(10):
+        for s in scheds:
+            s.step()
+        hparams.sync()
+        group, reference = held.param_groups[0], plain.param_groups[0]
+        assert group["lr"] is lr
+        assert float(lr) == pytest.approx(reference["lr"], rel=1e-6)
+        if betas is not None:
+            assert group["betas"] is betas
+            assert float(betas[0]) == pytest.approx(reference["betas"][0], rel=1e-6)
+    assert hparams.changed_settings() == []
+
+
+def test_fasttrain_scheduler_and_float_assignments_keep_the_tensor():
+    opt = torch.optim.AdamW(_params(), lr=0.1)
+    sched = CosineLrScheduler(opt, total_num_epochs=2, num_update_steps_per_epoch=5)
+    hparams = TensorHyperparams(opt)
+    hparams.apply()
+    lr = opt.param_groups[0]["lr"]
+    sched.step()
+    assert opt.param_groups[0]["lr"] is lr  # written in place by set_param_group_value
+    opt.param_groups[0]["lr"] = 0.0123  # a scheduler that assigns floats
+    opt.param_groups[0]["betas"] = (0.5, opt.param_groups[0]["betas"][1])
+    hparams.sync()
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.0123)
+    assert float(opt.param_groups[0]["betas"][0]) == 0.5
+    hparams.restore_floats()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0123) and isinstance(opt.param_groups[0]["lr"], float)
+    assert opt.param_groups[0]["betas"] == (0.5, pytest.approx(0.999))
+
+
+def test_changed_constant_settings_are_reported_and_loads_detected():
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    hparams = TensorHyperparams(opt)
+    hparams.apply()
+    opt.param_groups[0]["momentum"] = 0.85
+    assert hparams.changed_settings() == ["param_groups[0]['momentum']: 0.9 -> 0.85"]
+    hparams.accept_changes()
+    assert hparams.changed_settings() == []
+    assert not hparams.groups_replaced
+    opt.load_state_dict(opt.state_dict())
+    assert hparams.groups_replaced
+
+
+def test_optimizers_without_tensor_lr_are_left_alone():
+    opt = torch.optim.RMSprop(_params(), lr=0.1)
+    hparams = TensorHyperparams(opt)
+    assert not hparams.apply()
+    assert opt.param_groups[0]["lr"] == 0.1
+    hparams.sync()  # nothing held: a no-op
+
+
+# ----------------------------------------------------------------------------- snapshots
+def test_step_snapshot_undoes_a_first_optimizer_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).square().mean().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [(p.grad, p.grad.clone()) for p in model.parameters()]
+    snapshot = StepSnapshot(model, opt)
+    model(torch.randn(8, 4)).square().mean().backward()  # more gradients, new BatchNorm statistics
+    opt.step()  # creates Adam's state lazily
+    opt.param_groups[0]["lr"] = 0.5
+    snapshot.restore()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    for p, (grad, copy) in zip(model.parameters(), grads):
+        assert p.grad is grad
+        torch.testing.assert_close(p.grad, copy, rtol=0, atol=0)
+    assert len(opt.state) == 0
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+def test_reference_snapshot_rebinds_gradients_and_state():
+    params = _params()
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    grads = [p.grad for p in params]
+    buffers = [opt.state[p]["momentum_buffer"] for p in params]
+    refs = ReferenceSnapshot(opt)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    refs.restore()
+    assert all(p.grad is g for p, g in zip(params, grads))
+    assert all(opt.state[p]["momentum_buffer"] is b for p, b in zip(params, buffers))
+
+
+# ----------------------------------------------------------------------------- static inputs
+def test_static_batch_signature_and_load():
+    batch = (torch.randn(4, 3), {"y": torch.arange(4), "tag": "a"})
+    static = StaticBatch(batch)
+    assert batch_signature(batch) == static.signature
+    assert batch_signature((torch.randn(3, 3), {"y": torch.arange(3), "tag": "a"})) != static.signature
+    assert batch_signature((torch.randn(4, 3), {"y": torch.arange(4), "tag": "b"})) != static.signature
+    new = (torch.randn(4, 3), {"y": torch.arange(4) + 1, "tag": "a"})
+    static.load(new)
+    torch.testing.assert_close(static.tree[0], new[0])
+    torch.testing.assert_close(static.tree[1]["y"], new[1]["y"])
+    assert static.tree[1]["tag"] == "a"
+
+
+# ----------------------------------------------------------------------------- result ring
+class _FakeGraph:
+    """Stands in for a CUDA graph: replay() runs the recorded body again."""
+
+    def __init__(self, body):
+        self.replay = body
+
+
+def test_ring_views_stay_valid_until_the_flush_and_match_the_host_slots():
+    size = 4  # = the micro-steps between two flushes below
+    ring = StepRing(size, torch.device("cpu"))
+    ring.warm_up()
+    loss_in = torch.zeros(())
+    items_in = torch.zeros(())
+    norm_in = torch.zeros(())
+    batch_output = {"loss": loss_in, "num_items_in_batch": items_in, "batch_size": 2, "model_outputs": None}
+
+    def body():
+        ring.record(batch_output, norm_in)
+
+    step = CapturedStep(_FakeGraph(body), batch_output, norm_in, ring)
+    buffer = StepMetricsBuffer("train", 1)
+    expected_losses, expected_norms = [], []
+    for i in range(3 * size + 1):
+        loss_in.fill_(float(i) + 0.5)
+        items_in.fill_(float(10 * i))
+        norm_in.fill_(float(100 + i))
+        output, norm = step.replay()
+        assert output["batch_size"] == 2
+        buffer.add(i, output)
+        buffer.add_grad_norm(norm)
+        expected_losses.append(float(i) + 0.5)
+        expected_norms.append(float(100 + i))
+        if len(buffer) == size:  # flush: every slot written since the last flush is still intact
+            metrics = buffer.flush(num_updates=i, skipped_updates=0, is_epoch_end=False)
+            assert metrics.losses == expected_losses
+            assert metrics.grad_norms == expected_norms
+            assert metrics.num_items == sum(10 * j for j in range(i - size + 1, i + 1))
+            expected_losses, expected_norms = [], []
+    assert ring.calls == 3 * size + 1
+    counters = ring.losses.counters.tolist()
+    assert counters[3] == 3 * size + 1  # the device counter the slots come from

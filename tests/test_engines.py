@@ -1,0 +1,313 @@
+"""The compiled engine matches the eager one, compiles once, and falls back with one warning.
+
+Each comparison trains the same model twice from the same seed, eagerly and compiled, and
+compares every flushed loss (training and evaluation), every grad norm and the final weights.
+The datasets leave a partial last batch, so the partial-batch path is always covered.
+
+Backends: one run uses inductor, the default; the others use ``aot_eager``, which goes through the
+same dynamo tracing, guards, graph breaks and AOTAutograd forward/backward split (everything the
+engine is responsible for: what is compiled, when it recompiles, when it falls back) but runs the
+graph eagerly instead of generating C++, which costs 20 to 50 s per model on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fasttrain import Trainer
+from fasttrain.engine import auto_engine_name, create_engine
+from fasttrain.engine.compiled import CompileSettings
+from fasttrain.schedulers import CosineLrScheduler
+
+from engine_cases import (
+    MLP,
+    Case,
+    ConvNet,
+    TinyGPT,
+    assert_runs_match,
+    dynamo_counts,
+    finite,
+    image_data,
+    intentional_break,
+    one_cycle,
+    run,
+    token_data,
+    token_loss,
+    vector_data,
+)
+
+AOT = {"backend": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class EngineWarnings:
+    """The engines' RuntimeWarnings (fallbacks) among everything recorded."""
+
+    def __init__(self, caught):
+        self._caught = caught
+
+    def _ours(self):
+        return [w for w in self._caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]
+
+    def __len__(self):
+        return len(self._ours())
+
+    def __getitem__(self, index):
+        return self._ours()[index]
+
+    def __iter__(self):
+        return iter(self._ours())
+
+
+@pytest.fixture
+def engine_warnings():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield EngineWarnings(caught)
+
+
+def assert_compiled_steady(result, epochs_checked=None):
+    """Compiled throughout, nothing new compiled after the first epoch, and graph breaks only
+    where torch's optimizers put them on purpose (the forward is traced with fullgraph=True)."""
+    assert result.trainer._engine.active_engine == "compiled"
+    assert result.trainer._engine.active_eval_engine == "compiled"
+    counts = result.recorder.counts_after_epoch
+    assert len(counts) >= 2
+    assert counts[-1] == counts[0], f"recompiled after the first epoch: {counts}"
+    breaks = [reason for reason in counters["graph_break"]]
+    assert all(intentional_break(reason) for reason in breaks), breaks
+
+
+# ----------------------------------------------------------------------------- eager == compiled
+def test_mlp_inductor_sgd_value_clipping_accumulation(engine_warnings):
+    case = Case(
+        model=MLP,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
+        data=vector_data,
+        epochs=2,
+        train_kwargs=dict(gradient_accumulation_steps=2, gradient_clip_value=0.05),
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled")  # default backend: inductor
+    assert_runs_match(eager, compiled)
+    assert_compiled_steady(compiled)
+    assert not engine_warnings
+
+
+def test_mlp_adamw_one_cycle_norm_clipping_and_second_train(engine_warnings):
+    # OneCycleLR also cycles AdamW's beta1 every update (cycle_momentum=True by default)
+    case = Case(
+        model=MLP,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
+        data=vector_data,
+        epochs=3,
+        train_kwargs=dict(gradient_accumulation_steps=3, gradient_clip_norm=0.5, create_scheduler_fn=one_cycle()),
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled", AOT)
+    assert_runs_match(eager, compiled)
+    assert_compiled_steady(compiled)
+    assert len(compiled.recorder.grad_norms) == 3 * 3 and finite(compiled.recorder.grad_norms)
+    assert not engine_warnings
+
+    # a second train() with the same shapes (a new scheduler, a new engine) compiles nothing
+    before = dynamo_counts()
+    trainer = compiled.trainer
+    data = vector_data()
+    trainer.train(
+        data, 2, eval_dataset=data, per_device_batch_size=8, gradient_accumulation_steps=3,
+        gradient_clip_norm=0.5, create_scheduler_fn=one_cycle(),
+        train_dataloader_kwargs={"shuffle": False, "num_workers": 0}, eval_dataloader_kwargs={"num_workers": 0},
+    )
+    assert dynamo_counts() == before
+    assert trainer._engine.active_engine == "compiled"
+
+
+def test_convnet_batchnorm_adam_both_clips_step_lr(engine_warnings):
+    # StepLR computes the next lr from group["lr"] itself, which is then a tensor
+    case = Case(
+        model=ConvNet,
+        optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=3e-3),
+        data=image_data,
+        epochs=2,
+        train_kwargs=dict(
+            gradient_accumulation_steps=2,
+            gradient_clip_value=0.5,
+            gradient_clip_norm=1.0,
+            create_scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        ),
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled", AOT)
+    assert_runs_match(eager, compiled)
+    assert_compiled_steady(compiled)
+    assert not engine_warnings
+
+
+def test_transformer_adamw_cosine_placeholders(engine_warnings):
+    case = Case(
+        model=TinyGPT,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1),
+        data=token_data,
+        loss=token_loss,
+        epochs=2,
+        train_kwargs=dict(
+            gradient_accumulation_steps=2,
+            gradient_clip_norm=1.0,
+            create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1, lr_min=1e-4),
+        ),
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled", AOT)
+    assert_runs_match(eager, compiled)
+    assert_compiled_steady(compiled)
+    assert not engine_warnings
+
+
+# ----------------------------------------------------------------------------- fallbacks
+class BranchOnItemTrainer(Trainer):
+    """A loss hook with data-dependent Python: it reads the loss on the host and branches."""
+
+    def calculate_train_batch_loss(self, batch):
+        xb, yb = batch
+        outputs = self.model(xb)
+        loss = self.loss_func(outputs, yb)
+        if loss.item() > 100.0:
+            loss = loss * 0.5
+        return {"loss": loss, "model_outputs": outputs, "batch_size": yb.size(0)}
+
+
+def sgd_case(trainer_cls=Trainer, **train_kwargs):
+    return Case(
+        model=MLP,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+        data=vector_data,
+        epochs=2,
+        train_kwargs=dict(gradient_accumulation_steps=2, gradient_clip_norm=0.5, **train_kwargs),
+        trainer_cls=trainer_cls,
+    )
+
+
+def test_untraceable_loss_hook_falls_back_to_eager_with_one_warning(engine_warnings):
+    eager = run(sgd_case(BranchOnItemTrainer), "eager")
+    compiled = run(sgd_case(BranchOnItemTrainer), "compiled", AOT)
+    assert len(engine_warnings) == 1, [str(w.message) for w in engine_warnings]
+    message = str(engine_warnings[0].message)
+    assert "'calculate_train_batch_loss'" in message and "eager" in message and "item()" in message
+    assert compiled.trainer._engine.active_engine == "eager"
+    assert compiled.trainer._engine.active_eval_engine == "compiled"  # evaluation traced fine
+    # the failed trace ran nothing, the eager redo ran the step once: same floats as eager
+    assert compiled.recorder.train == eager.recorder.train
+    assert_runs_match(eager, compiled)
+
+
+class FlakyUpdateTrainer(Trainer):
+    """Fails once, after the optimizer step was applied: a failure half way through an update."""
+
+    failures = 1
+
+    def optimizer_step(self):
+        super().optimizer_step()
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("flaky optimizer_step")
+
+
+def test_failure_after_the_update_ran_is_undone_not_applied_twice(engine_warnings):
+    case = Case(
+        model=ConvNet,
+        optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+        data=image_data,
+        epochs=1,
+        train_kwargs=dict(gradient_accumulation_steps=2, gradient_clip_norm=0.5),
+    )
+    eager = run(case, "eager")
+    case.trainer_cls = FlakyUpdateTrainer
+    compiled = run(case, "compiled", AOT)
+    assert len(engine_warnings) == 1
+    assert "'optimizer_step'" in str(engine_warnings[0].message)
+    assert compiled.trainer._engine.active_engine == "eager"
+    # restored parameters, BatchNorm statistics, gradients, Adam state and step count: an update
+    # applied twice (or the first micro-step's gradients lost) would be off by ~1e-2
+    assert_runs_match(eager, compiled)
+
+
+class ItemEvalTrainer(Trainer):
+    def calculate_eval_batch_loss(self, batch):
+        with torch.no_grad():
+            outputs = self.model(batch[0])
+            loss = self.loss_func(outputs, batch[1])
+            if loss.item() < 0:
+                loss = -loss
+        return {"loss": loss, "model_outputs": outputs, "batch_size": batch[1].size(0)}
+
+
+def test_evaluation_falls_back_on_its_own(engine_warnings):
+    eager = run(sgd_case(ItemEvalTrainer), "eager")
+    compiled = run(sgd_case(ItemEvalTrainer), "compiled", AOT)
+    assert len(engine_warnings) == 1
+    assert "'calculate_eval_batch_loss'" in str(engine_warnings[0].message)
+    assert compiled.trainer._engine.active_engine == "compiled"
+    assert compiled.trainer._engine.active_eval_engine == "eager"
+    assert_runs_match(eager, compiled)
+
+
+def test_cudagraph_without_cuda_falls_back_to_compiled_once(engine_warnings):
+    eager = run(sgd_case(), "eager")
+    graphed = run(sgd_case(), "cudagraph", AOT)
+    assert len(engine_warnings) == 1
+    assert "CUDA" in str(engine_warnings[0].message) and "'compiled'" in str(engine_warnings[0].message)
+    assert graphed.trainer._engine.active_engine == "compiled"
+    assert graphed.trainer._engine.active_eval_engine == "compiled"
+    assert_runs_match(eager, graphed)
+
+
+def test_auto_takes_compiled_quietly_when_graphs_cannot_run(monkeypatch, engine_warnings):
+    # pretend "auto" chose the graphed engine on this CUDA-less machine: that it cannot capture
+    # here is then a choice between engines, not a failure worth a warning
+    monkeypatch.setattr("fasttrain.engine.auto_engine_name", lambda device: "cudagraph")
+    graphed = run(sgd_case(), "auto", AOT, num_epochs=1)
+    assert not engine_warnings
+    assert graphed.trainer._engine.name == "cudagraph"
+    assert graphed.trainer._engine.active_engine == "compiled"
+
+
+# ----------------------------------------------------------------------------- setup
+def test_auto_is_eager_on_the_cpu():
+    assert auto_engine_name("cpu") == "eager"
+    assert auto_engine_name("cuda:0") == "cudagraph"
+    trainer = Trainer(MLP(), torch.nn.functional.cross_entropy, None, callbacks=[], engine="auto")
+    assert create_engine("auto", trainer).name == "eager"
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"modee": "max-autotune"}, "Unknown compile_options"),
+        ({"mode": "max-autotune", "options": {"a": 1}}, "either 'mode' or 'options'"),
+        ({"fullgraph": "yes"}, "fullgraph"),
+        ({"dynamic": "auto"}, "dynamic"),
+    ],
+)
+def test_compile_options_are_validated(options, match):
+    with pytest.raises(ValueError, match=match):
+        CompileSettings.from_options(options)
+
+
+def test_compile_settings_defaults_and_hashing():
+    settings = CompileSettings.from_options({"options": {"b": 2, "a": 1}})
+    assert settings.fullgraph is True and settings.dynamic is False
+    assert settings.kwargs(fullgraph=False)["fullgraph"] is False
+    assert settings.kwargs()["options"] == {"a": 1, "b": 2}
+    assert hash(settings) == hash(CompileSettings.from_options({"options": {"a": 1, "b": 2}}))
