@@ -237,9 +237,15 @@ class CallbackHandler:
 
     def call_event(self, event: str, *args, **kwargs):
         """Call ``event`` on every callback that implements it; others are skipped."""
+        self.call_methods(self.handlers(event), *args, **kwargs)
+
+    def call_methods(self, methods: List, *args, **kwargs):
+        """Call the bound methods returned by :meth:`handlers` (the trainer resolves per-step
+        events once per epoch); a callback raising ``CallbackMethodNotImplementedError`` is
+        skipped."""
         if not self._enabled:
             return
-        for method in self.handlers(event):
+        for method in methods:
             try:
                 method(*args, **kwargs)
             except CallbackMethodNotImplementedError:
@@ -270,7 +276,8 @@ class TerminateOnNaNCallback(TrainerCallback):
 
     The check uses the batched host values, so it costs no per-step synchronisation; the stop
     happens at most ``log_every_n_steps`` updates after the bad step. The process is not exited:
-    ``train()`` returns and ``triggered`` tells what happened.
+    ``train()`` returns and ``triggered`` tells what happened. It acts only under the trainer's
+    default ``nonfinite="stop"``: with ``"skip"`` or ``"ignore"`` training goes on.
     """
 
     def __init__(self):
@@ -280,7 +287,7 @@ class TerminateOnNaNCallback(TrainerCallback):
         self.triggered = False
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
-        if metrics.nonfinite:
+        if metrics.nonfinite and getattr(trainer, "nonfinite", "stop") == "stop":
             self.triggered = True
             bad = next(
                 (i for i, loss in zip(metrics.step_indices, metrics.losses) if loss != loss or loss in (float("inf"), float("-inf"))),
@@ -668,18 +675,38 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     def _save(self, trainer, name):
         output_dir = self.save_dir / name
-        trainer.save_training_state(str(output_dir), checkpoint_kwargs={"global_step": self._global_step})
+        previous = list(self._saved_checkpoints)
         if output_dir in self._saved_checkpoints:
             self._saved_checkpoints.remove(output_dir)
+        # listed before saving, so that the state written (which includes this callback's
+        # state) knows itself and a run resumed from it keeps rotating the same list
         self._saved_checkpoints.append(output_dir)
+        try:
+            saved = trainer.save_training_state(
+                str(output_dir), checkpoint_kwargs={"global_step": self._global_step}
+            )
+        except BaseException:
+            self._saved_checkpoints = previous  # the failed save left the older states intact
+            raise
+        if saved is False:  # refused after a non-finite update: keep the older, good states
+            self._saved_checkpoints = previous
+            return
         trainer.print(f"\nSaved training state to {output_dir}")
         self._cleanup_old_checkpoints(trainer)
+
+    def state_dict(self) -> dict:
+        """The states this callback saved and still keeps, oldest first (saved with the
+        training state, so that ``max_checkpoints`` holds across a resume)."""
+        return {"saved_checkpoints": [str(path) for path in self._saved_checkpoints]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._saved_checkpoints = [Path(path) for path in state.get("saved_checkpoints", [])]
 
     def _cleanup_old_checkpoints(self, trainer):
         if self.max_checkpoints is None:
             return
-        # the newest state was just written successfully, so removing older ones never leaves
-        # the run without a good state
+        # runs only after the newest state was written completely, and removes from the oldest
+        # end, so the newest good state is never the one removed
         while len(self._saved_checkpoints) > self.max_checkpoints:
             old = self._saved_checkpoints.pop(0)
             if old.exists() and trainer.run_config.is_world_process_zero:
@@ -688,26 +715,26 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     def on_training_run_start(self, trainer, **kwargs):
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        self._global_step = trainer.num_updates
+        self._global_step = trainer._num_updates
 
     def on_train_step_end(self, trainer, step, **kwargs):
         if self.save_every_n_steps is None:
             return
         # saved on optimizer updates only, so a state never splits an accumulation window
-        if trainer.num_updates != self._global_step:
-            self._global_step = trainer.num_updates
+        if trainer._num_updates != self._global_step:
+            self._global_step = trainer._num_updates
             if self._global_step % self.save_every_n_steps == 0:
                 self._save(trainer, f"step_{self._global_step}")
 
     def on_train_epoch_end(self, trainer, **kwargs):
         epoch = trainer.run_history.current_epoch
         if self.save_every_n_epochs is not None and epoch % self.save_every_n_epochs == 0:
-            self._global_step = trainer.num_updates
+            self._global_step = trainer._num_updates
             self._save(trainer, f"epoch_{epoch}")
 
     def on_training_run_end(self, trainer, **kwargs):
         if self.save_at_end:
-            self._global_step = trainer.num_updates
+            self._global_step = trainer._num_updates
             self._save(trainer, "final")
 
 

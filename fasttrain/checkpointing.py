@@ -1,4 +1,4 @@
-"""Checkpoints and training states: atomic writes, safe loads, step-exact resume.
+"""Checkpoints and training states: atomic writes, verified safe loads, step-exact resume.
 
 Two formats, as in pytorch-accelerated:
 
@@ -6,52 +6,116 @@ Two formats, as in pytorch-accelerated:
   optionally ``optimizer_state_dict`` and ``scheduler_state_dict``, and the caller's extra keys;
 * a **training state** (:func:`save_training_state`) is a directory holding everything needed to
   continue a run from the exact step it was saved at: model, optimizer, scheduler, loss scaler,
-  accumulated gradients, the random number generator states of every library and process, the
-  position in the epoch, the run history and the epoch's loss counters.
+  gradients accumulated inside an open accumulation window, the random number generator states of
+  every library and process (including the data loader's generators), the position in the epoch,
+  the run history, the epoch's loss counters, the engine's and the callbacks' state. A
+  ``manifest.json`` lists every file with its size and SHA-256, so a truncated or damaged state is
+  reported before anything is loaded from it.
 
 Every file is written to a temporary name and renamed into place, and a training state directory
-is assembled under a temporary name and swapped in whole, so a crash during a save never replaces
-a good checkpoint with a broken one. Files are loaded with ``weights_only=True``: a file carrying
-arbitrary pickled objects is refused.
+is assembled under a temporary name and swapped in whole, so an exception or a kill during a save
+never replaces a good checkpoint with a broken one. Files are loaded with ``weights_only=True``: a
+file carrying arbitrary pickled objects is refused. The resume machinery (positions, replaying an
+epoch's shuffle) lives in :mod:`fasttrain.resume`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
-import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-STATE_VERSION = 1
+from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches them from here)
+    ResumePosition,
+    begin_training,
+    capture_rng_state,
+    capture_position,
+    epoch_batches,
+    restore_rng_state,
+    resume_position,
+    resume_start,
+)
+
+STATE_VERSION = 2
+MANIFEST_FILE = "manifest.json"
 _METADATA_FILE = "trainer_state.pt"
+_CALLBACKS_FILE = "callbacks.pt"
+_HASH_CHUNK = 1 << 20
+
+__all__ = [
+    "CheckpointError",
+    "atomic_save",
+    "safe_load",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_training_state",
+    "load_training_state",
+    "verify_training_state",
+    "find_latest_training_state",
+    "capture_rng_state",
+    "restore_rng_state",
+]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint or training state cannot be read."""
+    """A checkpoint or training state cannot be read (missing, truncated, corrupt or unsafe)."""
 
 
 # ------------------------------------------------------------------------------- file helpers
-def atomic_save(obj, path) -> None:
-    """``torch.save`` to ``path`` through a temporary file in the same directory and a rename."""
+class _HashingWriter:
+    """A write-only file object that hashes and counts what passes through it, so a file's
+    SHA-256 comes from the bytes as written, without reading the file back."""
+
+    def __init__(self, file):
+        self._file = file
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def atomic_save(obj, path) -> dict:
+    """``torch.save`` to ``path`` through a temporary file in the same directory, an ``fsync`` and
+    a rename, so ``path`` holds either its old content or the complete new one. Returns the
+    file's manifest entry (``size`` and ``sha256``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
+        # KeyboardInterrupt included: the partial file must never be mistaken for a checkpoint
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def _file_entry(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def safe_load(path, map_location="cpu"):
@@ -64,11 +128,11 @@ def safe_load(path, map_location="cpu"):
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"Refusing to load {path}: it contains objects other than tensors and plain Python "
-            "values, and loading it could run arbitrary code. If you trust the file, load it "
-            "yourself with torch.load(..., weights_only=False) and pass the state dicts on. "
-            f"Details: {e}"
+            "values (numbers, strings, lists, dicts), and unpickling them could run arbitrary "
+            "code. If you trust the file, load it yourself with torch.load(..., "
+            f"weights_only=False) and pass the state dicts on. Details: {e}"
         ) from e
-    except (RuntimeError, EOFError) as e:
+    except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
 
 
@@ -95,7 +159,7 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
 def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
     trainer._accelerator.wait_for_everyone()
     checkpoint = safe_load(checkpoint_path)
-    if "model_state_dict" not in checkpoint:
+    if not isinstance(checkpoint, dict) or "model_state_dict" not in checkpoint:
         raise CheckpointError(
             f"{checkpoint_path} has no 'model_state_dict'; it was not written by save_checkpoint"
         )
@@ -117,140 +181,182 @@ def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
     return checkpoint
 
 
-# ------------------------------------------------------------------------------- RNG states
-def capture_rng_state() -> dict:
-    state = {"python": _python_state_to_plain(random.getstate()), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype("int64")),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached": float(cached),
-        }
-    except ImportError:  # numpy is optional
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    random.setstate(_python_state_from_plain(state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np_state = state["numpy"]
-        np.random.set_state(
-            (
-                np_state["kind"],
-                np_state["keys"].numpy().astype("uint32"),
-                np_state["pos"],
-                np_state["has_gauss"],
-                np_state["cached"],
-            )
-        )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _python_state_to_plain(state):
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _python_state_from_plain(plain):
-    version, internal, gauss = plain
-    return (version, tuple(internal), gauss)
-
-
 # ------------------------------------------------------------------------------- training state
-@dataclass
-class ResumePosition:
-    epoch: int
-    step: int  # batches of the epoch already consumed
-    epoch_start_rng: dict
-    rng: dict
-    loss_sum: float
-    sample_count: int
+def _stateful_callbacks(trainer):
+    """Callbacks whose class defines both ``state_dict`` and ``load_state_dict``, by class name
+    (a trainer holds one instance per class)."""
+    return {
+        type(cb).__name__: cb
+        for cb in trainer.callback_handler.callbacks
+        if callable(getattr(type(cb), "state_dict", None)) and callable(getattr(type(cb), "load_state_dict", None))
+    }
 
 
-def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> None:
+def _open_accumulation_window(trainer) -> bool:
+    """Whether gradients of micro-steps not yet applied by an update are held in ``.grad``."""
+    config = trainer.run_config
+    if getattr(trainer, "_train_buffer", None) is None or config is None:
+        return False
+    consumed = trainer._step_in_epoch
+    try:
+        num_batches = len(trainer._train_dataloader)
+    except TypeError:
+        num_batches = None
+    return consumed % config.gradient_accumulation_steps != 0 and consumed != num_batches
+
+
+def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
+    """Write the training state to ``output_dir``; returns False (writing nothing) when the
+    model has taken an update with non-finite values since the last good state."""
     output_dir = Path(output_dir)
     accelerator = trainer._accelerator
     buffer = getattr(trainer, "_train_buffer", None)
     if buffer is not None and len(buffer):
-        # SYNC: a checkpoint save is a flush point, so the saved loss counters are complete
+        # SYNC: a save is a flush point, so the saved loss counters are complete and a non-finite
+        # value in the steps since the last flush is seen before anything is written
         trainer._flush(buffer, is_epoch_end=False)
+    if getattr(trainer, "_nonfinite_applied", False):
+        trainer.print(
+            f"Not saving the training state to {output_dir}: an update with non-finite values was "
+            "applied since the last good state, which is kept as it is."
+        )
+        return False
     rank = accelerator.process_index
     staging = output_dir.with_name(f".{output_dir.name}.staging")
     if accelerator.is_main_process:
         if staging.exists():
-            shutil.rmtree(staging)
+            shutil.rmtree(staging)  # left by a save that was killed
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
 
+    entries = {}
+    model = trainer.get_model(keep_torch_compile=False)
     if accelerator.is_main_process:
-        atomic_save(trainer.get_model(keep_torch_compile=False).state_dict(), staging / "model.pt")
-        atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
+        entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
+        entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
         if trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
-            atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
+            entries["scheduler.pt"] = atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
         if accelerator.scaler is not None:
-            atomic_save(accelerator.scaler.state_dict(), staging / "scaler.pt")
-        grads = {
-            name: p.grad
-            for name, p in trainer.get_model(keep_torch_compile=False).named_parameters()
-            if p.grad is not None
-        }
-        atomic_save(grads, staging / "grads.pt")
+            entries["scaler.pt"] = atomic_save(accelerator.scaler.state_dict(), staging / "scaler.pt")
+        callbacks = {name: cb.state_dict() for name, cb in _stateful_callbacks(trainer).items()}
+        if callbacks:
+            entries[_CALLBACKS_FILE] = atomic_save(callbacks, staging / _CALLBACKS_FILE)
         metadata = {
             "fasttrain_state_version": STATE_VERSION,
-            "current_epoch": trainer.run_history.current_epoch,
-            "step_in_epoch": getattr(trainer, "_step_in_epoch", 0) if buffer is not None else 0,
-            "num_updates": trainer.num_updates,
+            **capture_position(trainer),
+            "num_updates": trainer._num_updates,
             "skipped_updates": trainer.skipped_updates,
-            "epoch_loss_sum": buffer.loss_sum if buffer is not None else 0.0,
-            "epoch_sample_count": buffer.sample_count if buffer is not None else 0,
             "run_history": trainer.run_history.state_dict() if hasattr(trainer.run_history, "state_dict") else None,
             "engine": trainer._engine.state_dict() if trainer._engine is not None else {},
             "num_processes": accelerator.num_processes,
         }
         if checkpoint_kwargs is not None:
             metadata.update(checkpoint_kwargs)
-        atomic_save(metadata, staging / _METADATA_FILE)
+        entries[_METADATA_FILE] = atomic_save(metadata, staging / _METADATA_FILE)
+    if _open_accumulation_window(trainer):
+        # inside a window each process holds its own, not yet all-reduced, gradients
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        atomic_save(grads, staging / f"grads_{rank}.pt")
     # every process has its own random streams
     atomic_save(
-        {"rng": capture_rng_state(), "epoch_start_rng": getattr(trainer, "_epoch_start_rng", None) or capture_rng_state()},
+        {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer._epoch_start_rng},
         staging / f"rng_state_{rank}.pt",
     )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        old = output_dir.with_name(f".{output_dir.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        if output_dir.exists():
-            os.replace(output_dir, old)
-        os.replace(staging, output_dir)
-        if old.exists():
-            shutil.rmtree(old)
+        for path in sorted(staging.iterdir()):
+            if path.name not in entries and not path.name.startswith("."):
+                entries[path.name] = _file_entry(path)  # small per-process files
+        manifest = {"format": "fasttrain-training-state", "version": STATE_VERSION, "files": entries}
+        with open(staging / MANIFEST_FILE, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _swap_into_place(staging, output_dir)
     accelerator.wait_for_everyone()
+    return True
+
+
+def _swap_into_place(staging: Path, output_dir: Path) -> None:
+    # The previous state is renamed aside before the new one takes its name and deleted only
+    # afterwards: at every moment a complete state exists under output_dir or, for the instant
+    # between the two renames, under .<name>.old (load_training_state falls back to it).
+    old = output_dir.with_name(f".{output_dir.name}.old")
+    if output_dir.exists():
+        if old.exists():
+            shutil.rmtree(old)  # left by a save killed while deleting it; output_dir is complete
+        os.replace(output_dir, old)
+    # without output_dir, an .old left by a save killed between the renames is the only
+    # complete state until the new one has the name
+    os.replace(staging, output_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
+    """Check that ``input_dir`` is a complete training state: every file of its manifest is
+    present with the recorded size (and SHA-256). Returns the manifest; raises
+    :class:`CheckpointError` naming what is wrong."""
+    input_dir = Path(input_dir)
+    manifest_path = input_dir / MANIFEST_FILE
+    if not input_dir.is_dir():
+        raise CheckpointError(f"No training state at {input_dir} (not a directory)")
+    if not manifest_path.exists():
+        if (input_dir / _METADATA_FILE).exists():
+            # written by an older fasttrain without a manifest: nothing to verify against
+            return {"files": {}}
+        raise CheckpointError(
+            f"{input_dir} is not a complete fasttrain training state (no {MANIFEST_FILE}); the save "
+            "that wrote it did not finish."
+        )
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest_path} is damaged ({e}); the training state cannot be verified.") from e
+    problems = []
+    for name, entry in sorted(files.items()):
+        path = input_dir / name
+        if not path.exists():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["size"]:
+            problems.append(f"{name} has {size} bytes, the manifest records {entry['size']} (truncated?)")
+        elif check_hashes and _file_entry(path)["sha256"] != entry["sha256"]:
+            problems.append(f"{name} does not match its SHA-256 in the manifest (corrupted)")
+    if problems:
+        raise CheckpointError(
+            f"The training state at {input_dir} is damaged: {'; '.join(problems)}. Resume from "
+            "an earlier state (find_latest_training_state lists the complete ones)."
+        )
+    return manifest
+
+
+def _resolve_state_dir(input_dir: Path) -> Path:
+    """``input_dir``, or the complete previous state that a save killed between its two renames
+    left beside it."""
+    if input_dir.exists():
+        return input_dir
+    old = input_dir.with_name(f".{input_dir.name}.old")
+    if (old / MANIFEST_FILE).exists():
+        warnings.warn(
+            f"{input_dir} is missing but a complete earlier state was left at {old} by an "
+            "interrupted save; loading that one.",
+            stacklevel=3,
+        )
+        return old
+    raise CheckpointError(f"No training state at {input_dir}")
 
 
 def load_training_state(trainer, input_dir) -> dict:
-    input_dir = Path(input_dir)
-    metadata_path = input_dir / _METADATA_FILE
-    if not metadata_path.exists():
-        old = input_dir.with_name(f".{input_dir.name}.old")
-        hint = f" A previous complete state was kept at {old}." if (old / _METADATA_FILE).exists() else ""
-        raise CheckpointError(
-            f"{input_dir} is not a complete fasttrain training state (no {_METADATA_FILE}).{hint}"
-        )
-    metadata = safe_load(metadata_path)
+    input_dir = _resolve_state_dir(Path(input_dir))
     accelerator = trainer._accelerator
+    # every process checks that the files are complete; hashing them (reading every byte once
+    # more) is left to one process per run, as the files are shared
+    verify_training_state(input_dir, check_hashes=accelerator.is_main_process)
+    metadata = safe_load(input_dir / _METADATA_FILE)
     if metadata.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
         raise CheckpointError(
             f"{input_dir} was saved by {metadata['num_processes']} processes and is being loaded by "
@@ -268,11 +374,12 @@ def load_training_state(trainer, input_dir) -> dict:
         trainer.scheduler.load_state_dict(safe_load(input_dir / "scheduler.pt"))
     if (input_dir / "scaler.pt").exists() and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(safe_load(input_dir / "scaler.pt"))
-    if (input_dir / "grads.pt").exists():
-        grads = safe_load(input_dir / "grads.pt")
-        for name, p in model.named_parameters():
-            if name in grads:
-                p.grad = grads[name].to(p.device)
+    _load_gradients(model, input_dir / f"grads_{accelerator.process_index}.pt")
+    if (input_dir / _CALLBACKS_FILE).exists():
+        saved = safe_load(input_dir / _CALLBACKS_FILE)
+        for name, callback in _stateful_callbacks(trainer).items():
+            if name in saved:
+                callback.load_state_dict(saved[name])
     if metadata.get("run_history") is not None and hasattr(trainer.run_history, "load_state_dict"):
         trainer.run_history.load_state_dict(metadata["run_history"])
     else:
@@ -282,44 +389,47 @@ def load_training_state(trainer, input_dir) -> dict:
     if trainer._engine is not None:
         trainer._engine.load_state_dict(metadata.get("engine", {}))
     rng_path = input_dir / f"rng_state_{accelerator.process_index}.pt"
-    rng = safe_load(rng_path) if rng_path.exists() else None
-    metadata["_rng"] = rng
+    metadata["_rng"] = safe_load(rng_path) if rng_path.exists() else None
     return metadata
 
 
-def resume_position(metadata: dict) -> Optional[ResumePosition]:
-    rng = metadata.get("_rng")
-    if rng is None or "step_in_epoch" not in metadata:
+def _load_gradients(model, path: Path) -> None:
+    grads = safe_load(path) if path.exists() else {}
+    for name, p in model.named_parameters():
+        saved = grads.get(name)
+        if saved is None:
+            # outside an accumulation window the gradients were cleared by the last update;
+            # engines that keep static gradient buffers get zeros in place
+            if p.grad is not None:
+                p.grad.zero_()
+        elif p.grad is not None and p.grad.shape == saved.shape:
+            p.grad.copy_(saved)
+        else:
+            p.grad = saved.to(device=p.device, dtype=p.dtype)
+
+
+def find_latest_training_state(directory) -> Optional[Path]:
+    """The most advanced complete training state among ``directory`` and its subdirectories
+    (by optimizer updates, then epoch and step), or None. Damaged or unfinished states are
+    skipped (sizes are checked, not hashes, to keep this cheap)."""
+    directory = Path(directory)
+    if not directory.is_dir():
         return None
-    return ResumePosition(
-        epoch=metadata["current_epoch"],
-        step=metadata["step_in_epoch"],
-        epoch_start_rng=rng["epoch_start_rng"],
-        rng=rng["rng"],
-        loss_sum=metadata.get("epoch_loss_sum", 0.0),
-        sample_count=metadata.get("epoch_sample_count", 0),
-    )
-
-
-def epoch_batches(trainer, dataloader, buffer):
-    """The batches of this epoch and the index of the first one.
-
-    Records the random state at the start of the epoch (the sampler draws its shuffle from it),
-    so that a state saved mid-epoch can rebuild the same batch order. When resuming inside this
-    epoch, replays that order, skips the batches already trained on and restores the saved random
-    state, so that the rest of the run matches an uninterrupted one.
-    """
-    position = trainer._resume_position
-    if position is None or position.epoch != trainer.run_history.current_epoch:
-        trainer._epoch_start_rng = capture_rng_state()
-        return dataloader, 0
-    trainer._resume_position = None
-    trainer._epoch_start_rng = position.epoch_start_rng
-    restore_rng_state(position.epoch_start_rng)
-    iterator = iter(dataloader)
-    for _ in range(position.step):
-        next(iterator, None)
-    restore_rng_state(position.rng)
-    buffer.loss_sum = position.loss_sum
-    buffer.sample_count = position.sample_count
-    return iterator, position.step
+    best, best_key = None, None
+    for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
+        if candidate.name.startswith("."):
+            continue
+        try:
+            verify_training_state(candidate, check_hashes=False)
+            metadata = safe_load(candidate / _METADATA_FILE)
+        except (CheckpointError, FileNotFoundError):
+            continue
+        key = (
+            metadata.get("num_updates", 0),
+            metadata.get("current_epoch", 0),
+            metadata.get("phase") == "train_done",
+            metadata.get("step_in_epoch", 0),
+        )
+        if best_key is None or key > best_key:
+            best, best_key = candidate, key
+    return best

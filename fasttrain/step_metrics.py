@@ -65,8 +65,19 @@ class StepMetricsBuffer:
         if norm is not None:
             self._grad_norms.append(norm.detach())
 
-    def flush(self, *, num_updates: int, skipped_updates: int, is_epoch_end: bool) -> FlushedMetrics:
-        """Copy the collected values to the host in one transfer and reset the buffer."""
+    def flush(
+        self,
+        *,
+        num_updates: int,
+        skipped_updates: int,
+        is_epoch_end: bool,
+        pending_skips: Optional[torch.Tensor] = None,
+    ) -> FlushedMetrics:
+        """Copy the collected values to the host in one transfer and reset the buffer.
+
+        ``pending_skips`` is a device counter of updates skipped since the previous flush
+        (``nonfinite="skip"``); it travels in the same transfer and is added to
+        ``skipped_updates``."""
         n = len(self._losses)
         device_parts = []
         if n:
@@ -79,6 +90,8 @@ class StepMetricsBuffer:
             device_parts.append(torch.stack([b.reshape(()) for b in tensor_sizes]).float())
         if tensor_items:
             device_parts.append(torch.stack([x.reshape(()) for x in tensor_items]).float())
+        if pending_skips is not None:
+            device_parts.append(pending_skips.reshape(-1)[:1].float())
         host: List[float] = []
         if device_parts:
             device = device_parts[0].device
@@ -93,6 +106,9 @@ class StepMetricsBuffer:
         size_values = iter(host[offset : offset + len(tensor_sizes)])
         offset += len(tensor_sizes)
         item_values = iter(host[offset : offset + len(tensor_items)])
+        offset += len(tensor_items)
+        if pending_skips is not None:
+            skipped_updates = skipped_updates + int(host[offset])
         batch_sizes = [
             int(next(size_values)) if isinstance(b, torch.Tensor) else int(b) for b in self._batch_sizes
         ]

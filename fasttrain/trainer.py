@@ -7,6 +7,7 @@ flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -17,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 
-from fasttrain import checkpointing
+from fasttrain import checkpointing, signals
 from fasttrain.callbacks import (
     CallbackHandler,
     LimitBatchesCallback,
@@ -27,6 +28,7 @@ from fasttrain.callbacks import (
 from fasttrain.data import place_single_process
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper
+from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
 from fasttrain.run_config import TrainerRunConfig
 from fasttrain.step_metrics import StepMetricsBuffer
@@ -68,6 +70,18 @@ class Trainer:
     :param seed: when given, seeds every library (distinct per process) at the start of each
         ``train()``/``evaluate()``. fasttrain never seeds on its own.
     :param compile_options: keyword arguments for ``torch.compile`` used by the compiled engines.
+    :param nonfinite: what a non-finite loss or gradient does (docs/reliability.md):
+        ``"stop"`` (default) ends training at the next flush, ``"skip"`` drops the update whose
+        gradients are not finite and counts it in ``skipped_updates``, ``"ignore"`` checks
+        nothing. Why a run stopped is in ``stop_reason``.
+    :param interrupt_save_dir: where to save the training state when SIGINT/SIGTERM stops
+        training; by default ``<save_dir>/interrupted`` of a ``SaveTrainingStateCallback``, and
+        no save without one.
+    :param handle_signals: stop cleanly on the first SIGINT/SIGTERM during ``train()`` (main
+        thread only); a second one aborts at once.
+    :param resume_data_skip: how a run resumed mid-epoch passes over the batches already trained
+        on: ``"sampler"`` draws their indices without loading them, ``"replay"`` loads and drops
+        them (needed for an exact resume when data-loader workers draw random augmentations).
     """
 
     def __init__(
@@ -83,9 +97,31 @@ class Trainer:
         mixed_precision: Optional[str] = None,
         seed: Optional[int] = None,
         compile_options: Optional[dict] = None,
+        nonfinite: str = "stop",
+        interrupt_save_dir=None,
+        handle_signals: bool = True,
+        resume_data_skip: str = "sampler",
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
+        validation.trainer_options(
+            nonfinite=nonfinite,
+            interrupt_save_dir=interrupt_save_dir,
+            handle_signals=handle_signals,
+            resume_data_skip=resume_data_skip,
+        )
+        self.nonfinite = nonfinite
+        self.interrupt_save_dir = interrupt_save_dir
+        self.handle_signals = handle_signals
+        self.resume_data_skip = resume_data_skip
+        #: why the last train() ended early: None, "nonfinite_loss", "nonfinite_gradients",
+        #: "interrupted" or "stop_training_error" (a callback raised StopTrainingError)
+        self.stop_reason: Optional[str] = None
+        self._interrupt = signals.InterruptFlag()
+        self._nonfinite = NonFiniteGuard(nonfinite)  # rebuilt by train() with the prepared optimizer
+        self._nonfinite_applied = False
+        self._epoch_in_progress = None
+        self._epoch_start_loader_iteration = None
         self.model = model
         self.loss_func = loss_func
         self.optimizer = optimizer
@@ -139,6 +175,9 @@ class Trainer:
         with ``train_dl_kwargs``."""
         kwargs = self.get_default_train_dl_kwargs(batch_size)
         if train_dl_kwargs is not None:
+            if "sampler" in train_dl_kwargs:
+                # DataLoader refuses a sampler together with shuffle
+                kwargs.pop("shuffle", None)
             kwargs.update(train_dl_kwargs)
         self._train_dl_kwargs = kwargs
         return DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **kwargs)
@@ -147,6 +186,8 @@ class Trainer:
         """The evaluation dataloader, built like :meth:`create_train_dataloader`."""
         kwargs = self.get_default_eval_dl_kwargs(batch_size)
         if eval_dl_kwargs is not None:
+            if "sampler" in eval_dl_kwargs:
+                kwargs.pop("shuffle", None)
             kwargs.update(eval_dl_kwargs)
         self._eval_dl_kwargs = kwargs
         return DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **kwargs)
@@ -187,8 +228,16 @@ class Trainer:
 
     @property
     def num_updates(self) -> int:
-        """Optimizer updates performed in the current training run."""
-        return self._num_updates
+        """Optimizer updates performed in the current training run.
+
+        pytorch-accelerated had no such property, and its subclasses (``TrainerWithTimmScheduler``)
+        keep their own ``self.num_updates``: an assigned value is theirs and is returned from
+        then on, while the trainer keeps counting in ``_num_updates``."""
+        return self.__dict__.get("_assigned_num_updates", self._num_updates)
+
+    @num_updates.setter
+    def num_updates(self, value) -> None:
+        self._assigned_num_updates = value
 
     @property
     def skipped_updates(self) -> int:
@@ -218,7 +267,14 @@ class Trainer:
             self._accelerator.backward(loss)
 
     def optimizer_step(self):
-        self._stepping_optimizer().step()
+        optimizer = self._stepping_optimizer()
+        # True without a sync except for nonfinite="skip" with a non-fused optimizer
+        if self._nonfinite.allow_update():
+            optimizer.step()
+        if optimizer is not self.optimizer:
+            # torch's LR schedulers were given accelerate's wrapper, whose step is bypassed
+            # above; they warn "lr_scheduler.step() before optimizer.step()" unless marked
+            self.optimizer._opt_called = True
 
     def scheduler_step(self):
         if self.scheduler is not None:
@@ -291,6 +347,7 @@ class Trainer:
             gradient_clip_value=gradient_clip_value,
             gradient_clip_norm=gradient_clip_norm,
             create_scheduler_fn=create_scheduler_fn,
+            eval_dataset=eval_dataset,
         )
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -324,17 +381,15 @@ class Trainer:
         )
         self.scheduler = self.create_scheduler() if self.create_scheduler_fn is not None else None
         self._setup_engine()
-        self._num_updates = 0
-        self._skipped_updates = 0
-        self._resume_position = None
-        if resume_from is not None:
-            metadata = self.load_training_state(resume_from)
-            self._resume_position = checkpointing.resume_position(metadata)
-            self.print(
-                f"Resumed training state from {resume_from} (epoch "
-                f"{self.run_history.current_epoch}, update {self._num_updates})"
-            )
-        self._run_training()
+        self._nonfinite = NonFiniteGuard(
+            self.nonfinite, self.optimizer, has_loss_scaler=self._accelerator.scaler is not None
+        )
+        checkpointing.begin_training(self, resume_from)
+        try:
+            with signals.handle_interrupts(self):
+                self._run_training()
+        finally:
+            self._nonfinite.close()
 
     def evaluate(self, dataset=None, per_device_batch_size=8, dataloader_kwargs: dict = None, collate_fn=None):
         """Evaluate the model on ``dataset``; records ``evaluation_loss``. Resets the run
@@ -362,7 +417,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _prepare_model_optimizer_and_dataloaders(self):
-        self._accelerator.free_memory()
+        # The previous run's accelerator lets go of what it prepared. accelerate's own
+        # free_memory() also runs a full gc.collect(), which costs a quarter to half a second per
+        # train() call and frees nothing still in use, so only the references are dropped.
+        for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
+            prepared = getattr(self._accelerator, name, None)
+            if isinstance(prepared, list):
+                prepared.clear()
         self._accelerator = self._create_accelerator()
         if self.seed is not None:
             set_seed(self.seed, device_specific=True)
@@ -388,8 +449,15 @@ class Trainer:
             self._train_dataloader.batch_sampler.even_batches = True
         if rest and self._eval_dataloader is not None:
             self._eval_dataloader = rest.pop(0)
-            # no padding samples in evaluation: the mean loss is over real samples only
-            self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches
+            # no padding samples in evaluation: the mean loss is over real samples only. Except
+            # with FSDP and ZeRO-3, whose forward all-gathers the parameters: a process with one
+            # batch more would wait forever for the others, so there the last batches are padded
+            # (docs/distributed.md: a few samples count twice in the eval loss)
+            forward_gathers = acc.distributed_type == DistributedType.FSDP or (
+                acc.distributed_type == DistributedType.DEEPSPEED
+                and getattr(acc.state.deepspeed_plugin, "zero_stage", 0) == 3
+            )
+            self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches or forward_gathers
         self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
         # accelerate's optimizer wrapper is needed for loss scaling and for XLA/DeepSpeed/
         # Megatron; otherwise it only adds per-step bookkeeping (package look-ups, signature
@@ -457,17 +525,22 @@ class Trainer:
     def _run_training(self):
         self.training_run_start()
         self.callback_handler.call_event("on_training_run_start", self)
-        for _ in range(self.run_history.current_epoch - 1 if self._resume_position else 0, self.run_config.num_epochs):
+        # a resumed run starts in the saved epoch, possibly after its training part
+        epochs_done, train_done = checkpointing.resume_start(self)
+        for _ in range(epochs_done, self.run_config.num_epochs):
             try:
-                reached_max_steps = self._run_train_epoch(self._train_dataloader)
+                if train_done:
+                    train_done = False
+                    reached_max_steps = self._num_updates >= self.run_config.max_num_train_steps
+                else:
+                    reached_max_steps = self._run_train_epoch(self._train_dataloader)
                 if self.eval_dataset is not None:
                     self._run_eval_epoch(self._eval_dataloader)
                 self.training_run_epoch_end()
                 self.callback_handler.call_event("on_training_run_epoch_end", self)
                 self.run_history._increment_epoch()
             except StopTrainingError as e:
-                self._accelerator.print(e)
-                self.callback_handler.call_event("on_stop_training_error", self)
+                self._stop_training(e)
                 break
             if reached_max_steps:
                 self.print(
@@ -477,6 +550,16 @@ class Trainer:
                 break
         self.training_run_end()
         self.callback_handler.call_event("on_training_run_end", self)
+
+    def _stop_training(self, error: StopTrainingError):
+        """End the run after ``error`` and record why (``stop_reason``); a signal's stop saves
+        the training state and fires ``on_training_interrupted`` first."""
+        self._accelerator.print(error)
+        if isinstance(error, signals.TrainingInterrupted):
+            signals.finish_interrupted_run(self, error.signal_number)
+        elif self.stop_reason is None:
+            self.stop_reason = "stop_training_error"
+        self.callback_handler.call_event("on_stop_training_error", self)
 
     def _run_evaluation(self):
         self.evaluation_run_start()
@@ -501,11 +584,11 @@ class Trainer:
         step_start = handler.handlers("on_train_step_start")
         step_end = handler.handlers("on_train_step_end")
         engine = self._engine
+        interrupt = self._interrupt
         reached_max_steps = False
         for step, batch in enumerate(batches, start=first_step):
             self._step_in_epoch = step
-            for callback in step_start:
-                callback(self)
+            handler.call_methods(step_start, self)
             update = (step + 1) % k == 0 or step + 1 == num_batches
             batch_output = engine.train_step(batch, update)
             buffer.add(step, batch_output)
@@ -513,14 +596,15 @@ class Trainer:
                 self._num_updates += 1
                 buffer.add_grad_norm(engine.last_grad_norm)
             self._step_in_epoch = step + 1
-            for callback in step_end:
-                callback(self, batch=batch, batch_output=batch_output, step=step)
+            handler.call_methods(step_end, self, batch=batch, batch_output=batch_output, step=step)
             if update:
                 if self._num_updates % self.log_every_n_steps == 0:
                     self._flush(buffer, is_epoch_end=False)
                 if self._num_updates >= max_updates:
                     reached_max_steps = True
                     break
+            if interrupt.stop_requested:  # a host bool set by the signal handler
+                raise signals.TrainingInterrupted(interrupt.signal_number)
         self.train_epoch_end()
         self._flush(buffer, is_epoch_end=True)
         self._train_buffer = None
@@ -536,16 +620,18 @@ class Trainer:
         step_start = handler.handlers("on_eval_step_start")
         step_end = handler.handlers("on_eval_step_end")
         engine = self._engine
+        # an intermediate evaluation belongs to a training step, which finishes it
+        interrupt = self._interrupt if not is_intermediate else signals.InterruptFlag()
         with self._join_uneven_eval_inputs():
             for step, batch in enumerate(valid_dl):
-                for callback in step_start:
-                    callback(self)
+                handler.call_methods(step_start, self)
                 batch_output = engine.eval_step(batch)
                 buffer.add(step, batch_output)
-                for callback in step_end:
-                    callback(self, batch=batch, batch_output=batch_output)
+                handler.call_methods(step_end, self, batch=batch, batch_output=batch_output)
                 if len(buffer) >= self.log_every_n_steps:
                     self._flush(buffer, is_epoch_end=False)
+                if interrupt.stop_requested:  # checked before the next batch is fetched
+                    raise signals.TrainingInterrupted(interrupt.signal_number)
         self.eval_epoch_end()
         self._flush(buffer, is_epoch_end=True)
         if is_intermediate:
@@ -558,17 +644,35 @@ class Trainer:
         handler.call_event("on_eval_epoch_end", self, is_intermediate=is_intermediate)
 
     def _join_uneven_eval_inputs(self):
-        # DDP may broadcast buffers in forward; processes with fewer eval batches must not leave
-        # the others waiting
-        return self._accelerator.join_uneven_inputs([self.model], even_batches=self._pad_uneven_eval_batches)
+        # No torch Join around evaluation (accelerate's join_uneven_inputs uses one on GPUs): its
+        # DDP hook makes a process that runs out of batches post the all-reduces of a backward
+        # pass that never comes in evaluation, so the processes deadlock or mismatch
+        # collectives (reproduced with gloo in tests/test_distributed.py). None is needed: under
+        # no_grad DDP's forward communicates only to broadcast buffers on the first forward
+        # after a synced training forward, and every process has at least one eval batch
+        # (_check_eval_batch_size).
+        return contextlib.nullcontext()
 
     def _flush(self, buffer: StepMetricsBuffer, is_epoch_end: bool):
         if len(buffer) == 0 and not is_epoch_end:
             return
+        train = buffer.phase == "train"
+        guard = self._nonfinite
         metrics = buffer.flush(
-            num_updates=self._num_updates, skipped_updates=self._skipped_updates, is_epoch_end=is_epoch_end
+            num_updates=self._num_updates,
+            skipped_updates=self._skipped_updates,
+            is_epoch_end=is_epoch_end,
+            pending_skips=guard.take_pending() if train else None,
         )
+        if train:
+            self._skipped_updates = metrics.skipped_updates
+        # host values only (with several processes, one shared decision about non-finite values
+        # and stop signals); records the reason before the event, where TerminateOnNaNCallback
+        # may raise first
+        stop = guard.check_flush(self, metrics)
         self.callback_handler.call_event("on_metrics_flush", self, metrics=metrics)
+        if stop is not None:
+            raise stop
 
     def _add_epoch_loss_to_run_history(self, metric_name: str, buffer: StepMetricsBuffer):
         totals = torch.tensor(
@@ -587,7 +691,7 @@ class Trainer:
         """The loss that backward sees: divided by the accumulation steps, and multiplied by the
         number of processes for token-normalised losses, whose normaliser already spans all
         processes while DDP averages gradients over them."""
-        loss = batch_output["loss"]
+        loss = validation.train_loss(batch_output)  # host-only checks: a clear error before backward
         config = self.run_config
         if "num_items_in_batch" in batch_output and config.is_distributed:
             loss = loss * config.num_processes
@@ -597,13 +701,15 @@ class Trainer:
 
     def _clip_gradients(self):
         """Clip the gradients once per update (after all micro-steps have accumulated); returns
-        the global norm as a device tensor when clipping by norm."""
-        if self._clipper is None or not self._clipper.enabled:
+        the global norm as a device tensor when clipping by norm. With ``nonfinite="skip"`` the
+        same kernels flag non-finite gradients on the device."""
+        guard = self._nonfinite
+        if not guard.checks_gradients and (self._clipper is None or not self._clipper.enabled):
             return None
         if self._accelerator.scaler is not None:
             # fp16: gradients are scaled until the optimizer step; clip the true values
             self._accelerator.unscale_gradients()
-        return self._clipper()
+        return guard.clip(self._clipper)
 
     def _stepping_optimizer(self):
         """The optimizer whose ``step``/``zero_grad`` the default hooks call: accelerate's
@@ -650,9 +756,34 @@ class Trainer:
         return checkpointing.load_checkpoint(self, checkpoint_path, load_optimizer, load_scheduler)
 
     def save_training_state(self, output_dir, checkpoint_kwargs=None):
-        """Save everything needed to continue training from this exact step."""
-        checkpointing.save_training_state(self, output_dir, checkpoint_kwargs)
+        """Save everything needed to continue training from this exact step. Returns False,
+        writing nothing, when an update with non-finite values was applied since the last good
+        state (``nonfinite="stop"``)."""
+        return checkpointing.save_training_state(self, output_dir, checkpoint_kwargs)
 
     def load_training_state(self, input_dir):
         """Load a directory written by :meth:`save_training_state`; returns its metadata."""
         return checkpointing.load_training_state(self, input_dir)
+
+
+class TrainerWithTimmScheduler(Trainer):
+    """A trainer for timm-style schedulers, which are told the update count
+    (``step_update(num_updates)``) after every optimizer update and the epoch
+    (``step(epoch)``) after every evaluation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_updates = None
+
+    def train_epoch_start(self):
+        super().train_epoch_start()
+        self.num_updates = self.run_history.current_epoch * len(self._train_dataloader)
+
+    def eval_epoch_end(self):
+        if self.scheduler is not None:
+            self.scheduler.step(self.run_history.current_epoch + 1)
+
+    def scheduler_step(self):
+        self.num_updates += 1
+        if self.scheduler is not None:
+            self.scheduler.step_update(num_updates=self.num_updates)

@@ -1,10 +1,22 @@
-"""Argument checks whose errors say what to change."""
+"""Argument and input checks whose errors say what to change.
+
+Everything here runs once per ``Trainer`` or ``train()`` call, except :func:`train_loss`, which
+runs every micro-step and therefore only reads host attributes of the loss tensor (type, element
+count, ``requires_grad``): O(1), no device synchronisation, nothing for ``torch.compile`` to guard
+on beyond what it already specialises on.
+"""
 
 from __future__ import annotations
 
 import numbers
+import os
+from collections.abc import Mapping
+
+import torch
 
 ENGINE_NAMES = ("auto", "eager", "compiled", "cudagraph")
+NONFINITE_POLICIES = ("stop", "skip", "ignore")
+RESUME_DATA_SKIP = ("sampler", "replay")
 
 
 def positive_int(name: str, value) -> None:
@@ -17,9 +29,34 @@ def positive_number(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive number (or None to disable), got {value!r}")
 
 
+def one_of(name: str, value, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
 def engine_name(value) -> None:
     if value not in ENGINE_NAMES:
         raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINE_NAMES))}; got {value!r}")
+
+
+def trainer_options(*, nonfinite, interrupt_save_dir, handle_signals, resume_data_skip) -> None:
+    """The reliability options of ``Trainer.__init__``."""
+    one_of("nonfinite", nonfinite, NONFINITE_POLICIES)
+    one_of("resume_data_skip", resume_data_skip, RESUME_DATA_SKIP)
+    if interrupt_save_dir is not None and not isinstance(interrupt_save_dir, (str, os.PathLike)):
+        raise TypeError(
+            "interrupt_save_dir must be a directory path (str or pathlib.Path) or None, got "
+            f"{type(interrupt_save_dir).__name__}"
+        )
+    if not isinstance(handle_signals, bool):
+        raise TypeError(f"handle_signals must be True or False, got {handle_signals!r}")
+
+
+def _dataset_length(dataset):
+    try:
+        return len(dataset)
+    except TypeError:  # an iterable dataset without a length
+        return None
 
 
 def train_arguments(
@@ -32,6 +69,7 @@ def train_arguments(
     gradient_clip_value,
     gradient_clip_norm,
     create_scheduler_fn,
+    eval_dataset=None,
 ) -> None:
     if train_dataset is None:
         raise ValueError("train() needs a train_dataset")
@@ -45,7 +83,25 @@ def train_arguments(
         positive_number("gradient_clip_value", gradient_clip_value)
     if gradient_clip_norm is not None:
         positive_number("gradient_clip_norm", gradient_clip_norm)
-    if create_scheduler_fn is not None and not callable(create_scheduler_fn):
+    if _dataset_length(train_dataset) == 0:
+        raise ValueError("The train dataset is empty; give it at least one sample.")
+    if eval_dataset is not None and _dataset_length(eval_dataset) == 0:
+        raise ValueError("The eval dataset is empty; give it at least one sample or pass eval_dataset=None.")
+    scheduler_factory(create_scheduler_fn)
+
+
+def scheduler_factory(create_scheduler_fn) -> None:
+    if create_scheduler_fn is None:
+        return
+    from fasttrain.placeholders import is_placeholder
+
+    if is_placeholder(create_scheduler_fn):
+        raise ValueError(
+            f"create_scheduler_fn is the placeholder {create_scheduler_fn!r}, not a factory. Pass "
+            "placeholders as keyword arguments of functools.partial, e.g. partial(MyScheduler, "
+            "total_num_epochs=TrainerPlaceholderValues.NUM_EPOCHS)."
+        )
+    if not callable(create_scheduler_fn):
         raise TypeError(
             "create_scheduler_fn must be a callable that takes the optimizer and returns a "
             f"scheduler (e.g. functools.partial(OneCycleLR, max_lr=...)); got "
@@ -60,14 +116,57 @@ def dataloader_not_empty(dataloader, kind: str, batch_size: int) -> None:
         return
     if length == 0:
         dataset = getattr(dataloader, "dataset", None)
-        size = None
-        try:
-            size = len(dataset) if dataset is not None else None
-        except TypeError:
-            pass
+        size = _dataset_length(dataset) if dataset is not None else None
         if size == 0:
             raise ValueError(f"The {kind} dataset is empty; give it at least one sample.")
         raise ValueError(
             f"The {kind} dataloader yields no batches (dataset of {size} samples, batch size "
             f"{batch_size}, drop_last=True?); lower the batch size or set drop_last=False."
         )
+
+
+# ------------------------------------------------------------------------------- per step
+def train_loss(batch_output):
+    """The ``loss`` of ``calculate_train_batch_loss``'s output, checked so that a mistake gets
+    an error naming the fix before ``backward`` fails with a less helpful one."""
+    if not isinstance(batch_output, (dict, Mapping)):  # dict first: the common case, fastest
+        raise _missing_loss(batch_output)
+    try:
+        loss = batch_output["loss"]
+    except KeyError:
+        raise _missing_loss(batch_output) from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        _bad_loss(loss)
+    return loss
+
+
+def _missing_loss(batch_output) -> ValueError:
+    keys = f" with keys {sorted(map(str, batch_output))}" if isinstance(batch_output, dict) else ""
+    return ValueError(
+        "calculate_train_batch_loss must return a dict with a 'loss' entry (a scalar tensor), "
+        "plus 'model_outputs' and 'batch_size'; got "
+        f"{type(batch_output).__name__}{keys}. Return e.g. {{'loss': loss, 'model_outputs': "
+        "outputs, 'batch_size': targets.size(0)}."
+    )
+
+
+def _bad_loss(loss):
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "The 'loss' returned by calculate_train_batch_loss must be a tensor connected to the "
+            f"model's parameters, got {type(loss).__name__} ({loss!r}). Return the loss tensor "
+            "itself, not loss.item() or a number."
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            "The 'loss' returned by calculate_train_batch_loss must be a scalar, got a tensor of "
+            f"shape {tuple(loss.shape)}. Reduce it first, e.g. loss.mean() (or use a loss function "
+            "with reduction='mean'), so that backward has one value to differentiate."
+        )
+    raise ValueError(
+        "The 'loss' returned by calculate_train_batch_loss does not require grad, so backward "
+        "cannot compute gradients: the model's parameters are frozen (requires_grad=False) or the "
+        "loss was detached from them (.detach(), .item(), a new tensor, or computed under "
+        "torch.no_grad()/inference_mode). Unfreeze at least one parameter and compute the loss "
+        "from the model's outputs."
+    )

@@ -1,0 +1,182 @@
+"""What a training run does when a loss or a gradient is not finite: ``Trainer(nonfinite=...)``.
+
+* ``"stop"`` (default): at the first flush that sees a non-finite training or evaluation loss, or a
+  non-finite gradient norm (reported when clipping by norm), training stops:
+  ``trainer.stop_reason`` is ``"nonfinite_loss"`` or ``"nonfinite_gradients"``. Nothing is checked
+  per step, so the stop comes at most ``log_every_n_steps`` updates after the bad step; the updates
+  in between were applied, so no training state is written after that point (the last good one is
+  kept).
+* ``"skip"``: an update whose gradients are not all finite is not applied and training goes on;
+  ``trainer.skipped_updates`` counts them. The gradients are checked on the device once per
+  update by the fused clipping kernels (which also clip when clipping is configured). Fused
+  ``torch.optim`` optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``) read the flag in their
+  kernel, as with ``torch.amp.GradScaler``: a skip without synchronisation. Other optimizers
+  need the flag on the host: one synchronisation per update.
+* ``"ignore"``: no checks; non-finite values flow into the weights.
+
+With fp16 loss scaling the scaler already skips non-finite updates, in its own way; "skip" then
+leaves it to the scaler and does not count them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from fasttrain.callbacks import StopTrainingError
+from fasttrain.engine.clipping import gradients_of
+from fasttrain.signals import share_stop_decisions
+
+POLICIES = ("stop", "skip", "ignore")
+_REASONS = (None, "nonfinite_loss", "nonfinite_gradients")  # ordered: codes shared between processes
+
+
+def _fused_torch_optimizer(optimizer) -> bool:
+    return (
+        isinstance(optimizer, torch.optim.Optimizer)
+        and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        and bool(optimizer.defaults.get("fused", False))
+    )
+
+
+class NonFiniteGuard:
+    """Applies a non-finite policy for one ``train()`` call.
+
+    ``clip`` replaces the plain gradient clipping of an update; ``allow_update`` says whether the
+    optimizer step may run (``True`` without looking at the device, except for "skip" with a
+    non-fused optimizer); ``pending_skips`` is a device counter the trainer reads at flushes,
+    after which ``check_flush`` applies the policy to the flushed host values.
+    """
+
+    def __init__(self, policy: str = "ignore", optimizer=None, has_loss_scaler: bool = False):
+        self.policy = policy
+        self.checks_gradients = policy == "skip" and not has_loss_scaler
+        # the torch optimizer itself: accelerate's wrapper forwards step() to it
+        self._optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.device_skip = self.checks_gradients and _fused_torch_optimizer(self._optimizer)
+        self.found_inf: Optional[torch.Tensor] = None
+        self.pending_skips: Optional[torch.Tensor] = None
+        self._attached = False
+        self._seen: Optional[str] = None  # a reason to stop not yet shared with other processes
+        self._shared_at: Optional[int] = None  # the update count of the last shared decision
+        if self.checks_gradients and not self.device_skip:
+            self.allow_update = self._host_check
+        else:
+            self.allow_update = self._always
+
+    # ------------------------------------------------------------------ per update
+    @staticmethod
+    def _always() -> bool:
+        return True
+
+    def _host_check(self) -> bool:
+        if self.found_inf is None:  # no gradients this update
+            return True
+        # SYNC: a non-fused optimizer cannot skip an update on the device, so the host reads the
+        # flag once per update; fused optimizers skip inside their kernel instead
+        return self.found_inf.item() == 0.0
+
+    def clip(self, clipper) -> Optional[torch.Tensor]:
+        """Clip (when ``clipper`` is enabled) and, for "skip", flag non-finite gradients in
+        ``found_inf`` and count them; returns the norm when clipping by norm. Device work only."""
+        enabled = clipper is not None and clipper.enabled
+        if not self.checks_gradients:
+            return clipper() if enabled else None
+        grads = gradients_of(clipper.parameters) if clipper is not None else []
+        if not grads:
+            if self.found_inf is not None:
+                self.found_inf.zero_()  # nothing to check: the last update's flag must not linger
+            return None
+        found_inf = self._buffers(grads[0].device)
+        found_inf.zero_()  # the kernels only ever raise the flag
+        if enabled:
+            clipper.found_inf = found_inf
+            norm = clipper()
+        else:
+            from fasttrain import kernels
+
+            # an infinite limit makes the scale exactly 1, so the kernel only measures the norm
+            # and raises found_inf; the gradients are left as they are
+            kernels.clip_grad_norm_(grads, math.inf, found_inf=found_inf)
+            norm = None
+        self.pending_skips.add_(found_inf)
+        return norm
+
+    def _buffers(self, device) -> torch.Tensor:
+        if self.found_inf is None or self.found_inf.device != device:
+            self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+            self.pending_skips = torch.zeros(1, dtype=torch.float32, device=device)
+            if self.device_skip:
+                # read by the fused kernel of every step (torch.amp.GradScaler's contract); the
+                # step counter of a skipped update is rolled back there too. 0-d, as the
+                # optimizer's step tensors it is subtracted from.
+                self._optimizer.found_inf = self.found_inf.view(())
+                self._attached = True
+        return self.found_inf
+
+    # ------------------------------------------------------------------ per flush
+    def take_pending(self) -> Optional[torch.Tensor]:
+        """The device counter of skips since the last flush (packed into the flush's single
+        transfer by the trainer), or None when nothing is counted."""
+        return self.pending_skips
+
+    def check_flush(self, trainer, metrics) -> Optional[StopTrainingError]:
+        """After a flush (host values only): start counting skips again and, under "stop",
+        record why the run must stop (``trainer.stop_reason``, a ``stopped_<reason>`` metric, no
+        more saves in this run: the updates since the previous flush were applied) and return
+        the error to raise once the callbacks have seen the metrics.
+
+        With several processes the decision is shared (together with a pending stop signal), so
+        that all stop after the same step: at training flushes, which every process makes at
+        the same updates (once per update count), and at the end of an evaluation epoch (its
+        intermediate flushes are not aligned across processes, so what they see waits)."""
+        train = metrics.phase == "train"
+        if train and self.pending_skips is not None:
+            self.pending_skips.zero_()  # read by this flush; an asynchronous device op
+        if self.policy == "stop":
+            self._seen = self._seen or self._stop_reason(metrics)
+        config = trainer.run_config
+        if config is not None and config.is_distributed:
+            if not (train or metrics.is_epoch_end):
+                return None
+            if train and trainer._num_updates == self._shared_at:
+                return None  # an epoch-end flush right after a periodic one: nothing new
+            self._shared_at = trainer._num_updates if train else None
+            if self.policy != "stop" and not trainer._interrupt.listening:
+                return None  # nothing to share
+            code = share_stop_decisions(trainer._accelerator, trainer._interrupt, _REASONS.index(self._seen))
+            reason = _REASONS[code]
+        else:
+            reason = self._seen
+        self._seen = None
+        if reason is None:
+            return None
+        trainer.stop_reason = reason
+        trainer._nonfinite_applied = trainer._nonfinite_applied or train
+        trainer.run_history.update_metric(f"stopped_{reason}", trainer._num_updates)
+        what = "loss" if reason == "nonfinite_loss" else "gradient norm"
+        return StopTrainingError(
+            f"Stopping training: non-finite {'training' if train else 'validation'} {what} in epoch "
+            f"{metrics.epoch} (nonfinite='stop'; use 'skip' to drop such updates instead)"
+        )
+
+    def _stop_reason(self, metrics) -> Optional[str]:
+        if self.policy != "stop":
+            return None
+        if metrics.nonfinite:
+            return "nonfinite_loss"
+        if any(not math.isfinite(norm) for norm in metrics.grad_norms):
+            return "nonfinite_gradients"
+        return None
+
+    def close(self) -> None:
+        """Detach the flag from the optimizer, so that steps taken outside ``train()`` are not
+        skipped by a stale value."""
+        if self._attached:
+            try:
+                del self._optimizer.found_inf
+            except AttributeError:
+                pass
+            self._attached = False
