@@ -7,8 +7,13 @@ which is several percent of a small model's step; fasttrain moves batches itself
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 from accelerate.utils import send_to_device
+
+from fasttrain.utils import worker_init_fn
 
 
 class DeviceLoader:
@@ -37,3 +42,32 @@ def place_single_process(dataloader, device: torch.device):
     if device.type == "cpu":
         return dataloader
     return DeviceLoader(dataloader, device)
+
+
+def default_num_workers() -> int:
+    """pytorch-accelerated's default: the CPUs per GPU, at least one."""
+    cpus = os.cpu_count() or 1
+    if torch.cuda.is_available():
+        cpus //= max(torch.cuda.device_count(), 1)
+    return max(cpus, 1)
+
+
+def default_dataloader_kwargs(batch_size: int, shuffle: bool) -> dict:
+    return {
+        "shuffle": shuffle,
+        "pin_memory": torch.cuda.is_available(),
+        "batch_size": batch_size,
+        "num_workers": default_num_workers(),
+        "worker_init_fn": worker_init_fn,
+    }
+
+
+def merge_dataloader_kwargs(defaults: dict, overrides: Optional[dict]) -> dict:
+    """``defaults`` updated with the user's ``overrides``."""
+    kwargs = dict(defaults)
+    if overrides is not None:
+        if "sampler" in overrides:
+            # DataLoader refuses a sampler together with shuffle
+            kwargs.pop("shuffle", None)
+        kwargs.update(overrides)
+    return kwargs

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, fields
 from numbers import Number
 from typing import Union
 
 import torch
+from accelerate.utils import DistributedType
 
-__all__ = ["TrainerRunConfig"]
+__all__ = ["TrainerRunConfig", "build_run_config"]
 
 # Dataloader arguments returned by to_dict() as the same objects: a sampler may reference the
 # whole dataset, and a copied generator would no longer advance with the one the run uses.
@@ -83,3 +85,54 @@ class TrainerRunConfig:
             else:
                 result[field.name] = copy.deepcopy(value)
         return result
+
+
+def build_run_config(
+    accelerator,
+    *,
+    train_dataloader,
+    train_dl_kwargs,
+    eval_dl_kwargs,
+    per_device_batch_size,
+    num_epochs,
+    gradient_accumulation_steps,
+    max_num_train_steps,
+    gradient_clip_value,
+) -> TrainerRunConfig:
+    """The run config of a run prepared by ``accelerator`` (pytorch-accelerated's formulas;
+    ``max_num_train_steps`` counts the optimizer updates of any one process)."""
+    train_bs = (train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+    eval_bs = (eval_dl_kwargs or {}).get("batch_size", train_bs) if eval_dl_kwargs else train_bs
+    processes = accelerator.num_processes
+    if train_dataloader is not None:
+        local_batches = len(train_dataloader)
+        updates_per_epoch = math.ceil(local_batches * processes / gradient_accumulation_steps)
+        local_updates_per_epoch = math.ceil(local_batches / gradient_accumulation_steps)
+    else:
+        updates_per_epoch = local_updates_per_epoch = 0
+    if max_num_train_steps is None:
+        # one more than the run can reach, so the limit never ends an epoch early
+        max_num_train_steps = num_epochs * updates_per_epoch + 1
+    elif local_updates_per_epoch > 0:
+        # every process performs the same optimizer updates, so max_num_train_steps counts
+        # updates of any one process
+        num_epochs = math.ceil(max_num_train_steps / local_updates_per_epoch)
+    return TrainerRunConfig(
+        num_epochs=num_epochs,
+        train_per_device_batch_size=train_bs,
+        train_dl_kwargs=train_dl_kwargs,
+        eval_per_device_batch_size=eval_bs,
+        eval_dl_kwargs=eval_dl_kwargs,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_clip_value=gradient_clip_value,
+        train_total_batch_size=train_bs * processes * gradient_accumulation_steps,
+        eval_total_batch_size=eval_bs * processes,
+        num_update_steps_per_epoch=updates_per_epoch,
+        num_local_update_steps_per_epoch=local_updates_per_epoch,
+        max_num_train_steps=max_num_train_steps,
+        is_local_process_zero=accelerator.is_local_main_process,
+        is_world_process_zero=accelerator.is_main_process,
+        is_distributed=accelerator.distributed_type != DistributedType.NO,
+        mixed_precision=accelerator.mixed_precision,
+        num_processes=processes,
+    )

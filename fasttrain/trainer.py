@@ -8,9 +8,7 @@ flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -25,15 +23,15 @@ from fasttrain.callbacks import (
     StopTrainingError,
     get_default_callbacks,
 )
-from fasttrain.data import place_single_process
+from fasttrain.data import default_dataloader_kwargs, merge_dataloader_kwargs, place_single_process
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
-from fasttrain.run_config import TrainerRunConfig
+from fasttrain.run_config import TrainerRunConfig, build_run_config
 from fasttrain.step_metrics import StepMetricsBuffer
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
-from fasttrain.utils import LIMIT_BATCHES_ENV_VAR, worker_init_fn
+from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
 from fasttrain import validation
 
 DEFAULT_CALLBACKS = get_default_callbacks()
@@ -173,24 +171,13 @@ class Trainer:
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None) -> Iterable:
         """The training dataloader: the defaults of :meth:`get_default_train_dl_kwargs` updated
         with ``train_dl_kwargs``."""
-        kwargs = self.get_default_train_dl_kwargs(batch_size)
-        if train_dl_kwargs is not None:
-            if "sampler" in train_dl_kwargs:
-                # DataLoader refuses a sampler together with shuffle
-                kwargs.pop("shuffle", None)
-            kwargs.update(train_dl_kwargs)
-        self._train_dl_kwargs = kwargs
-        return DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **kwargs)
+        self._train_dl_kwargs = merge_dataloader_kwargs(self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs)
+        return DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
 
     def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: dict = None) -> Iterable:
         """The evaluation dataloader, built like :meth:`create_train_dataloader`."""
-        kwargs = self.get_default_eval_dl_kwargs(batch_size)
-        if eval_dl_kwargs is not None:
-            if "sampler" in eval_dl_kwargs:
-                kwargs.pop("shuffle", None)
-            kwargs.update(eval_dl_kwargs)
-        self._eval_dl_kwargs = kwargs
-        return DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **kwargs)
+        self._eval_dl_kwargs = merge_dataloader_kwargs(self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs)
+        return DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
 
     def create_scheduler(self):
         """Call ``create_scheduler_fn`` with the optimizer, placeholders resolved."""
@@ -198,29 +185,10 @@ class Trainer:
         return scheduler_fn(self.optimizer)
 
     def get_default_train_dl_kwargs(self, batch_size) -> dict:
-        return {
-            "shuffle": True,
-            "pin_memory": torch.cuda.is_available(),
-            "batch_size": batch_size,
-            "num_workers": self._default_num_workers(),
-            "worker_init_fn": worker_init_fn,
-        }
+        return default_dataloader_kwargs(batch_size, shuffle=True)
 
     def get_default_eval_dl_kwargs(self, batch_size) -> dict:
-        return {
-            "shuffle": False,
-            "pin_memory": torch.cuda.is_available(),
-            "batch_size": batch_size,
-            "num_workers": self._default_num_workers(),
-            "worker_init_fn": worker_init_fn,
-        }
-
-    @staticmethod
-    def _default_num_workers() -> int:
-        cpus = os.cpu_count() or 1
-        if torch.cuda.is_available():
-            cpus //= max(torch.cuda.device_count(), 1)
-        return max(cpus, 1)
+        return default_dataloader_kwargs(batch_size, shuffle=False)
 
     @property
     def device(self):
@@ -475,40 +443,16 @@ class Trainer:
     def _create_run_config(
         self, per_device_batch_size, num_epochs, gradient_accumulation_steps, max_num_train_steps, gradient_clip_value
     ) -> TrainerRunConfig:
-        train_bs = (self._train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
-        eval_bs = (self._eval_dl_kwargs or {}).get("batch_size", train_bs) if self._eval_dl_kwargs else train_bs
-        processes = self._accelerator.num_processes
-        if self._train_dataloader is not None:
-            local_batches = len(self._train_dataloader)
-            updates_per_epoch = math.ceil(local_batches * processes / gradient_accumulation_steps)
-            local_updates_per_epoch = math.ceil(local_batches / gradient_accumulation_steps)
-        else:
-            updates_per_epoch = local_updates_per_epoch = 0
-        if max_num_train_steps is None:
-            # one more than the run can reach, so the limit never ends an epoch early
-            max_num_train_steps = num_epochs * updates_per_epoch + 1
-        elif local_updates_per_epoch > 0:
-            # every process performs the same optimizer updates, so max_num_train_steps counts
-            # updates of any one process
-            num_epochs = math.ceil(max_num_train_steps / local_updates_per_epoch)
-        return TrainerRunConfig(
-            num_epochs=num_epochs,
-            train_per_device_batch_size=train_bs,
+        return build_run_config(
+            self._accelerator,
+            train_dataloader=self._train_dataloader,
             train_dl_kwargs=self._train_dl_kwargs,
-            eval_per_device_batch_size=eval_bs,
             eval_dl_kwargs=self._eval_dl_kwargs,
+            per_device_batch_size=per_device_batch_size,
+            num_epochs=num_epochs,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            gradient_clip_value=gradient_clip_value,
-            train_total_batch_size=train_bs * processes * gradient_accumulation_steps,
-            eval_total_batch_size=eval_bs * processes,
-            num_update_steps_per_epoch=updates_per_epoch,
-            num_local_update_steps_per_epoch=local_updates_per_epoch,
             max_num_train_steps=max_num_train_steps,
-            is_local_process_zero=self._accelerator.is_local_main_process,
-            is_world_process_zero=self._accelerator.is_main_process,
-            is_distributed=self._accelerator.distributed_type != DistributedType.NO,
-            mixed_precision=self._accelerator.mixed_precision,
-            num_processes=processes,
+            gradient_clip_value=gradient_clip_value,
         )
 
     def _check_eval_batch_size(self):

@@ -382,31 +382,9 @@ class TimmLikeScheduler:
 
 
 def timm_trainer_class(lib: Lib):
-    """pytorch-accelerated's ``TrainerWithTimmScheduler`` (the library's own when it has one,
-    else the original's code written against ``lib.Trainer``): a subclass that keeps its own
+    """The library's ``TrainerWithTimmScheduler``: a subclass that keeps its own
     ``self.num_updates``."""
-    if hasattr(lib.trainer, "TrainerWithTimmScheduler"):
-        return lib.trainer.TrainerWithTimmScheduler
-
-    class TrainerWithTimmScheduler(lib.Trainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.num_updates = None
-
-        def train_epoch_start(self):
-            super().train_epoch_start()
-            self.num_updates = self.run_history.current_epoch * len(self._train_dataloader)
-
-        def eval_epoch_end(self):
-            if self.scheduler is not None:
-                self.scheduler.step(self.run_history.current_epoch + 1)
-
-        def scheduler_step(self):
-            self.num_updates += 1
-            if self.scheduler is not None:
-                self.scheduler.step_update(num_updates=self.num_updates)
-
-    return TrainerWithTimmScheduler
+    return lib.trainer.TrainerWithTimmScheduler
 
 
 def script_timm_subclass(lib: Lib, max_steps: Optional[int] = None) -> Outcome:

@@ -1,0 +1,167 @@
+"""The callbacks a trainer uses unless told otherwise."""
+
+from __future__ import annotations
+
+
+from torch import nn
+from tqdm import tqdm
+
+from fasttrain.callbacks.events import StopTrainingError, TrainerCallback
+
+
+class MoveModulesToDeviceCallback(TrainerCallback):
+    """Moves every ``nn.Module`` attribute of the trainer other than the model (for example a
+    loss function with weights) to the trainer's device."""
+
+    def _move_modules_to_device(self, trainer):
+        for name, value in list(vars(trainer).items()):
+            if name != "model" and isinstance(value, nn.Module):
+                value.to(trainer.device)
+
+    def on_training_run_start(self, trainer, **kwargs):
+        self._move_modules_to_device(trainer)
+
+    def on_evaluation_run_start(self, trainer, **kwargs):
+        self._move_modules_to_device(trainer)
+
+
+class TerminateOnNaNCallback(TrainerCallback):
+    """Stops the run at the first flush that sees a non-finite loss.
+
+    The check uses the batched host values, so it costs no per-step synchronisation; the stop
+    happens at most ``log_every_n_steps`` updates after the bad step. The process is not exited:
+    ``train()`` returns and ``triggered`` tells what happened. It acts only under the trainer's
+    default ``nonfinite="stop"``: with ``"skip"`` or ``"ignore"`` training goes on.
+    """
+
+    def __init__(self):
+        self.triggered = False
+
+    def on_training_run_start(self, trainer, **kwargs):
+        self.triggered = False
+
+    def on_metrics_flush(self, trainer, metrics, **kwargs):
+        if metrics.nonfinite and getattr(trainer, "nonfinite", "stop") == "stop":
+            self.triggered = True
+            bad = next(
+                (i for i, loss in zip(metrics.step_indices, metrics.losses) if loss != loss or loss in (float("inf"), float("-inf"))),
+                None,
+            )
+            phase = "training" if metrics.phase == "train" else "validation"
+            raise StopTrainingError(
+                f"Stopping training due to a non-finite {phase} loss at step {bad} of epoch "
+                f"{metrics.epoch}"
+            )
+
+
+class PrintProgressCallback(TrainerCallback):
+    """Prints the start and end of runs and epochs."""
+
+    def on_training_run_start(self, trainer, **kwargs):
+        trainer.print("\nStarting training run")
+
+    def on_train_epoch_start(self, trainer, **kwargs):
+        trainer.print(f"\nStarting epoch {trainer.run_history.current_epoch}")
+
+    def on_training_run_end(self, trainer, **kwargs):
+        trainer.print("Finishing training run")
+
+    def on_eval_epoch_start(self, trainer, **kwargs):
+        trainer.print("\nStarting eval epoch")
+
+    def on_evaluation_run_start(self, trainer, **kwargs):
+        trainer.print("\nStarting evaluation run")
+
+    def on_evaluation_run_end(self, trainer, **kwargs):
+        trainer.print("Finishing evaluation run")
+
+
+class ProgressBarCallback(TrainerCallback):
+    """A tqdm bar per epoch showing steps, the running loss and samples per second.
+
+    The step count is a host counter; the loss and throughput come from the batched flushes.
+    """
+
+    def __init__(self, file=None):
+        self.pbar = None
+        self.eval_pbar = None
+        self._file = file
+
+    def _new_bar(self, trainer, dataloader, desc):
+        return tqdm(
+            total=len(dataloader),
+            desc=desc,
+            file=self._file,
+            disable=not trainer._accelerator.is_local_main_process,
+            leave=True,
+        )
+
+    def on_train_epoch_start(self, trainer, **kwargs):
+        self.pbar = self._new_bar(trainer, trainer._train_dataloader, "train")
+
+    def on_train_step_end(self, trainer, **kwargs):
+        self.pbar.update(1)
+
+    def on_metrics_flush(self, trainer, metrics, **kwargs):
+        bar = self.pbar if metrics.phase == "train" else self.eval_pbar
+        if bar is None or bar.disable:
+            return
+        postfix = {"loss": f"{metrics.epoch_mean_loss:.4g}"}
+        if metrics.elapsed_s > 0:
+            postfix["samples/s"] = f"{metrics.num_samples / metrics.elapsed_s:.4g}"
+        bar.set_postfix(postfix, refresh=False)
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        if self.pbar is not None:
+            self.pbar.close()
+
+    def on_eval_epoch_start(self, trainer, **kwargs):
+        self.eval_pbar = self._new_bar(trainer, trainer._eval_dataloader, "eval")
+
+    def on_eval_step_end(self, trainer, **kwargs):
+        self.eval_pbar.update(1)
+
+    def on_eval_epoch_end(self, trainer, **kwargs):
+        if self.eval_pbar is not None:
+            self.eval_pbar.close()
+
+
+class LogMetricsCallback(TrainerCallback):
+    """Prints the latest value of each metric at the end of every epoch. Subclass it and
+    override :meth:`log_metrics` to send metrics elsewhere."""
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        names = [m for m in trainer.run_history.get_metric_names() if "train" in m]
+        self._log_latest_metrics(trainer, names)
+
+    def on_eval_epoch_end(self, trainer, **kwargs):
+        names = [m for m in trainer.run_history.get_metric_names() if "train" not in m]
+        self._log_latest_metrics(trainer, names)
+
+    def _log_latest_metrics(self, trainer, metric_names):
+        metrics = {
+            name: trainer.run_history.get_latest_metric(name) for name in sorted(metric_names)
+        }
+        self.log_metrics(trainer, metrics)
+
+    def log_metrics(self, trainer, metrics: dict):
+        for name, value in metrics.items():
+            trainer.print(f"\n{name}: {value}")
+
+
+def get_default_callbacks(progress_bar: bool = True):
+    """The callbacks a trainer uses unless told otherwise, in order."""
+    if progress_bar:
+        return (
+            MoveModulesToDeviceCallback,
+            TerminateOnNaNCallback,
+            PrintProgressCallback,
+            ProgressBarCallback,
+            LogMetricsCallback,
+        )
+    return (
+        MoveModulesToDeviceCallback,
+        TerminateOnNaNCallback,
+        PrintProgressCallback,
+        LogMetricsCallback,
+    )

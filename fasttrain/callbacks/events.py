@@ -1,0 +1,204 @@
+"""The event system: TrainerCallback, CallbackHandler and the events the trainer fires."""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from typing import Dict, List
+
+
+class StopTrainingError(Exception):
+    """Raised by a callback to end the current training (or evaluation) run cleanly."""
+
+
+class CallbackMethodNotImplementedError(Exception):
+    """Kept for compatibility: raising it from a callback method skips that callback."""
+
+
+#: Every event the trainer fires, in the order of a training run with evaluation.
+EVENTS = (
+    "on_init_end",
+    "on_training_run_start",
+    "on_train_epoch_start",
+    "on_train_step_start",
+    "on_train_step_end",
+    "on_metrics_flush",
+    "on_train_epoch_end",
+    "on_eval_epoch_start",
+    "on_eval_step_start",
+    "on_eval_step_end",
+    "on_eval_epoch_end",
+    "on_training_run_epoch_end",
+    "on_training_run_end",
+    "on_evaluation_run_start",
+    "on_evaluation_run_end",
+    "on_stop_training_error",
+    "on_training_interrupted",
+)
+
+PER_STEP_EVENTS = (
+    "on_train_step_start",
+    "on_train_step_end",
+    "on_eval_step_start",
+    "on_eval_step_end",
+)
+
+
+class TrainerCallback:
+    """Base class for callbacks. Override the events you need; every method takes
+    ``(trainer, ..., **kwargs)``.
+
+    Per-step events receive device tensors in ``batch_output``: reading them on the host
+    (``.item()``, ``float()``, printing) makes the host wait for the device on every step. To
+    observe losses without that cost, implement :meth:`on_metrics_flush`, which receives host
+    values in batches.
+    """
+
+    def on_init_end(self, trainer, **kwargs):
+        pass
+
+    def on_training_run_start(self, trainer, **kwargs):
+        pass
+
+    def on_train_epoch_start(self, trainer, **kwargs):
+        pass
+
+    def on_train_step_start(self, trainer, **kwargs):
+        pass
+
+    def on_train_step_end(self, trainer, batch, batch_output, **kwargs):
+        pass
+
+    def on_metrics_flush(self, trainer, metrics, **kwargs):
+        """Host values of the step metrics since the previous flush
+        (a :class:`fasttrain.metrics.FlushedMetrics`)."""
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        pass
+
+    def on_eval_epoch_start(self, trainer, **kwargs):
+        pass
+
+    def on_eval_step_start(self, trainer, **kwargs):
+        pass
+
+    def on_eval_step_end(self, trainer, batch, batch_output, **kwargs):
+        pass
+
+    def on_eval_epoch_end(self, trainer, **kwargs):
+        pass
+
+    def on_training_run_epoch_end(self, trainer, **kwargs):
+        pass
+
+    def on_training_run_end(self, trainer, **kwargs):
+        pass
+
+    def on_evaluation_run_start(self, trainer, **kwargs):
+        pass
+
+    def on_evaluation_run_end(self, trainer, **kwargs):
+        pass
+
+    def on_stop_training_error(self, trainer, **kwargs):
+        pass
+
+    def on_training_interrupted(self, trainer, signal_number, **kwargs):
+        """Fired once when SIGINT or SIGTERM asks a training run to stop."""
+
+
+def _overrides(callback, event: str) -> bool:
+    """Whether ``callback`` does something on ``event`` (the base class's no-op does not count)."""
+    method = getattr(type(callback), event, None)
+    if method is None:
+        # instance attributes (a function assigned to the object) count too
+        return callable(getattr(callback, event, None))
+    base = getattr(TrainerCallback, event, None)
+    return method is not base
+
+
+def _warn_misspelled_events(callback) -> None:
+    known = set(EVENTS)
+    for name in dir(type(callback)):
+        if not name.startswith("on_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, EVENTS, n=1, cutoff=0.85)
+        if close:
+            warnings.warn(
+                f"{type(callback).__name__}.{name} is not a trainer event and will only run if "
+                f"fired with call_event({name!r}); did you mean {close[0]!r}?",
+                stacklevel=4,
+            )
+
+
+class CallbackHandler:
+    """Holds the callbacks of a trainer and fires events on them.
+
+    The handler keeps, for every event, the list of bound methods of the callbacks that implement
+    it. The lists are updated in place when callbacks are added, so the trainer may hold on to
+    them across steps.
+    """
+
+    def __init__(self, callbacks=()):
+        self.callbacks: List = []
+        self._dispatch: Dict[str, List] = {}
+        self._enabled = True
+        self.add_callbacks(callbacks)
+
+    def add_callbacks(self, callbacks):
+        for callback in callbacks:
+            self.add_callback(callback)
+
+    def add_callback(self, callback):
+        instance = callback() if isinstance(callback, type) else callback
+        cls = type(instance)
+        if any(type(existing) is cls for existing in self.callbacks):
+            raise ValueError(
+                f"The callback {cls.__name__} was added twice; a trainer takes one instance of "
+                f"each callback class. Callbacks already present: {self.callback_list}"
+            )
+        _warn_misspelled_events(instance)
+        self.callbacks.append(instance)
+        self._rebuild()
+
+    def clear_callbacks(self):
+        self.callbacks = []
+        self._rebuild()
+
+    def __iter__(self):
+        return iter(self.callbacks)
+
+    def __len__(self):
+        return len(self.callbacks)
+
+    @property
+    def callback_list(self) -> List[str]:
+        return [type(cb).__name__ for cb in self.callbacks]
+
+    def _rebuild(self):
+        for event, methods in self._dispatch.items():
+            methods[:] = [getattr(cb, event) for cb in self.callbacks if _overrides(cb, event)]
+
+    def handlers(self, event: str) -> List:
+        """The bound methods that ``event`` calls, in callback order (a live list)."""
+        methods = self._dispatch.get(event)
+        if methods is None:
+            methods = [getattr(cb, event) for cb in self.callbacks if _overrides(cb, event)]
+            self._dispatch[event] = methods
+        return methods
+
+    def call_event(self, event: str, *args, **kwargs):
+        """Call ``event`` on every callback that implements it; others are skipped."""
+        self.call_methods(self.handlers(event), *args, **kwargs)
+
+    def call_methods(self, methods: List, *args, **kwargs):
+        """Call the bound methods returned by :meth:`handlers` (the trainer resolves per-step
+        events once per epoch); a callback raising ``CallbackMethodNotImplementedError`` is
+        skipped."""
+        if not self._enabled:
+            return
+        for method in methods:
+            try:
+                method(*args, **kwargs)
+            except CallbackMethodNotImplementedError:
+                continue
