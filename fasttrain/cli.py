@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", choices=WORKLOADS, default="mlp", help="default: mlp")
     sizes = sorted({s for table in SIZES.values() for s in table})
     b.add_argument("--size", choices=sizes, default=None,
-                   help="model size (default: small for mlp/convnet, tiny for gpt; 124m is gpt only)")
+                   help="model size (default: tiny for mlp and gpt, small for convnet; 124m is gpt only)")
     b.add_argument("--batch-size", type=_positive_int, default=None,
                    help="per-step batch (default: 64 mlp, 512 convnet, 8 gpt)")
     b.add_argument("--steps", type=_positive_int, default=None, help="measured steps per repeat")
