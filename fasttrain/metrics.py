@@ -48,6 +48,13 @@ class FlushedMetrics:
     elapsed_s: float = 0.0
     #: sum of ``num_items_in_batch`` (e.g. tokens) over these steps, when the loss reported it.
     num_items: Optional[int] = None
+    #: ``epoch_loss_sum`` and ``epoch_sample_count`` summed over all processes. With one process
+    #: they equal the local values; with several they are all-reduced, together with the stop
+    #: decisions, at every training flush (all processes flush at the same update) and at the
+    #: end of each evaluation epoch, and are None at intermediate evaluation flushes, whose
+    #: timing differs between processes when the evaluation set does not split evenly.
+    global_epoch_loss_sum: Optional[float] = None
+    global_epoch_sample_count: Optional[int] = None
 
     @property
     def num_samples(self) -> int:
@@ -68,3 +75,13 @@ class FlushedMetrics:
         if self.epoch_sample_count == 0:
             return float("nan")
         return self.epoch_loss_sum / self.epoch_sample_count
+
+    @property
+    def global_epoch_mean_loss(self) -> float:
+        """The epoch's mean loss over all processes so far; this process's when the global
+        totals are not known at this flush."""
+        if self.global_epoch_sample_count is None:
+            return self.epoch_mean_loss
+        if self.global_epoch_sample_count == 0:
+            return float("nan")
+        return self.global_epoch_loss_sum / self.global_epoch_sample_count

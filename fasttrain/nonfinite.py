@@ -58,6 +58,10 @@ class NonFiniteGuard:
         self.device_skip = self.checks_gradients and _fused_torch_optimizer(self._optimizer)
         self.found_inf: Optional[torch.Tensor] = None
         self.pending_skips: Optional[torch.Tensor] = None
+        #: the epoch's (loss sum, sample count) over all processes, as of the last flush
+        #: (None when that flush shared nothing)
+        self.shared_totals = None
+        self._last_totals = None
         self._attached = False
         self._seen: Optional[str] = None  # a reason to stop not yet shared with other processes
         self._shared_at: Optional[int] = None  # the update count of the last shared decision
@@ -138,17 +142,23 @@ class NonFiniteGuard:
         if self.policy == "stop":
             self._seen = self._seen or self._stop_reason(metrics)
         config = trainer.run_config
+        local_totals = (metrics.epoch_loss_sum, metrics.epoch_sample_count)
         if config is not None and config.is_distributed:
+            self.shared_totals = None
             if not (train or metrics.is_epoch_end):
                 return None
             if train and trainer._num_updates == self._shared_at:
-                return None  # an epoch-end flush right after a periodic one: nothing new
+                # an epoch-end flush right after a periodic one: nothing new, the totals stand
+                self.shared_totals = self._last_totals
+                return None
             self._shared_at = trainer._num_updates if train else None
-            if self.policy != "stop" and not trainer._interrupt.listening:
-                return None  # nothing to share
-            code = share_stop_decisions(trainer._accelerator, trainer._interrupt, _REASONS.index(self._seen))
+            code, self.shared_totals = share_stop_decisions(
+                trainer._accelerator, trainer._interrupt, _REASONS.index(self._seen), local_totals
+            )
+            self._last_totals = self.shared_totals
             reason = _REASONS[code]
         else:
+            self.shared_totals = local_totals
             reason = self._seen
         self._seen = None
         if reason is None:

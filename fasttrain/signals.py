@@ -151,19 +151,25 @@ class InterruptHandler(InterruptFlag):
             self.stop_requested = True
 
 
-def share_stop_decisions(accelerator, interrupt: InterruptFlag, nonfinite_code: int) -> int:
+def share_stop_decisions(accelerator, interrupt: InterruptFlag, nonfinite_code: int, totals=(0.0, 0)):
     """Share, between all processes, the signal any of them received and the most severe
-    non-finite finding (an ordered code), so that all stop after the same step. Called at
-    flushes every process makes at the same step; returns the agreed non-finite code."""
-    codes = torch.tensor(
-        [[float(interrupt.local_signal()), float(nonfinite_code)]], dtype=torch.float32, device=accelerator.device
+    non-finite finding (an ordered code), so that all stop after the same step, and sum the
+    epoch's loss ``totals`` (loss sum, sample count) over them. Called at flushes every process
+    makes at the same step; returns the agreed non-finite code and the summed totals."""
+    local = torch.tensor(
+        [[float(interrupt.local_signal()), float(nonfinite_code), float(totals[0]), float(totals[1])]],
+        dtype=torch.float64,
+        device=accelerator.device,
     )
-    # SYNC: one gather of two numbers per training flush (every log_every_n_steps updates) and
+    # SYNC: one gather of four numbers per training flush (every log_every_n_steps updates) and
     # per evaluation epoch, in distributed runs only: a process that stopped alone would leave
-    # the others waiting in a collective
-    signum, agreed_code = accelerator.gather(codes).amax(dim=0).tolist()
+    # the others waiting in a collective, and the flushed loss is the mean over all processes
+    gathered = accelerator.gather(local)
+    signum, agreed_code = gathered[:, :2].amax(dim=0)
+    loss_sum, count = gathered[:, 2:].sum(dim=0)
+    signum, agreed_code, loss_sum, count = torch.stack([signum, agreed_code, loss_sum, count]).tolist()
     interrupt.adopt(int(signum))
-    return int(agreed_code)
+    return int(agreed_code), (loss_sum, int(count))
 
 
 class _ShieldWorker:

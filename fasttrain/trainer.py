@@ -8,6 +8,7 @@ flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Iterable, Optional
 
@@ -614,6 +615,9 @@ class Trainer:
         # and stop signals); records the reason before the event, where TerminateOnNaNCallback
         # may raise first
         stop = guard.check_flush(self, metrics)
+        if guard.shared_totals is not None:
+            loss_sum, count = guard.shared_totals
+            metrics = dataclasses.replace(metrics, global_epoch_loss_sum=loss_sum, global_epoch_sample_count=count)
         self.callback_handler.call_event("on_metrics_flush", self, metrics=metrics)
         if stop is not None:
             raise stop

@@ -167,6 +167,19 @@ def test_two_processes_match_one(results, name, engine):
         assert rank0["train_loss_epoch"] == pytest.approx(reference["train_loss_epoch"], rel=RTOL)
 
 
+@pytest.mark.parametrize("name,engine", TRAIN_PARAMS)
+def test_flushed_epoch_loss_is_the_mean_over_all_processes(results, name, engine):
+    """The loss counters are summed over the processes at the flushes (in the same collective as
+    the stop decisions): at each epoch end both processes were handed the epoch loss that the
+    run history records, which is the all-process mean."""
+    _skip_missing_engine(results, engine)
+    for rank in _ranks(results, f"train/{name}/{engine}"):
+        flushed = rank["epoch_end_global_means"]
+        assert flushed["train"] == pytest.approx(rank["train_loss_epoch"], rel=1e-12)
+        if rank["eval_loss_epoch"]:
+            assert flushed["eval"] == pytest.approx(rank["eval_loss_epoch"], rel=1e-12)
+
+
 @pytest.mark.parametrize("name", ["k2_clip_norm", "k4_clip_value"])
 def test_clipping_changes_the_result(results, name):
     """The clipping thresholds of the equivalence cases are active, so those cases do check

@@ -226,8 +226,9 @@ def test_processes_share_the_stop_decision():
         def __init__(self, other_code):
             self.other_code = other_code
 
-        def gather(self, tensor):  # rows: [signal, non-finite code] of each process
-            return torch.cat([tensor, torch.tensor([[0.0, float(self.other_code)]])])
+        def gather(self, tensor):  # rows: [signal, non-finite code, loss sum, samples] of each process
+            other = torch.tensor([[0.0, float(self.other_code), 0.0, 0.0]], dtype=tensor.dtype)
+            return torch.cat([tensor, other])
 
     def trainer(other_code):
         return SimpleNamespace(

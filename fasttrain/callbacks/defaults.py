@@ -106,7 +106,7 @@ class ProgressBarCallback(TrainerCallback):
         bar = self.pbar if metrics.phase == "train" else self.eval_pbar
         if bar is None or bar.disable:
             return
-        postfix = {"loss": f"{metrics.epoch_mean_loss:.4g}"}
+        postfix = {"loss": f"{metrics.global_epoch_mean_loss:.4g}"}
         if metrics.elapsed_s > 0:
             postfix["samples/s"] = f"{metrics.num_samples / metrics.elapsed_s:.4g}"
         bar.set_postfix(postfix, refresh=False)

@@ -159,6 +159,7 @@ class Recorder(TrainerCallback):
         self.train_step_count = 0
         self.eval_step_count = 0
         self.flushes = 0
+        self.epoch_end_global_means = {}  # phase -> the flushed all-process epoch mean, per epoch
         self.phase = "setup"
 
     def on_training_run_start(self, trainer, **kwargs):
@@ -190,6 +191,8 @@ class Recorder(TrainerCallback):
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
         self.flushes += 1
+        if metrics.is_epoch_end:
+            self.epoch_end_global_means.setdefault(metrics.phase, []).append(metrics.global_epoch_mean_loss)
 
 
 class MultiDeviceJoinGuard(TrainerCallback):
@@ -274,6 +277,7 @@ def train_case(name: str, world: int, engine: str = "eager") -> dict:
         - getattr(recorder, "graphs_before_epoch_2", recorder.graphs_at_end),
         "all_reduce_rounds": counter.rounds if counter else None,
         "all_reduce_calls": counter.calls if counter else None,
+        "epoch_end_global_means": dict(recorder.epoch_end_global_means),
     }
 
 
