@@ -204,17 +204,19 @@ def test_distributed_handler_waits_for_agreement():
         def __init__(self, other):
             self.other = other
 
-        def gather(self, tensor):
+        def gather(self, tensor):  # rows: [signal, non-finite code, loss sum, samples]
             return torch.cat([tensor, torch.tensor([self.other], dtype=tensor.dtype)])
 
     handler = InterruptHandler(agree_at_flush=True)
     handler._on_signal(signal.SIGINT, None)
     assert not handler.stop_requested  # noted only: the other process may be a step behind
-    assert share_stop_decisions(FakeAccelerator([0.0, 0.0]), handler, 0) == 0
+    code, totals = share_stop_decisions(FakeAccelerator([0.0, 0.0, 3.0, 4.0]), handler, 0, (1.5, 2))
+    assert code == 0 and totals == (4.5, 6)  # the loss counters are summed over the processes
     assert handler.stop_requested and handler.signal_number == signal.SIGINT
 
     quiet = InterruptHandler(agree_at_flush=True)
-    assert share_stop_decisions(FakeAccelerator([float(signal.SIGTERM), 2.0]), quiet, 1) == 2
+    code, _ = share_stop_decisions(FakeAccelerator([float(signal.SIGTERM), 2.0, 0.0, 0.0]), quiet, 1)
+    assert code == 2
     assert quiet.stop_requested and quiet.signal_number == signal.SIGTERM  # received elsewhere
 
 
