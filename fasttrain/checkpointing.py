@@ -21,10 +21,12 @@ epoch's shuffle) lives in :mod:`fasttrain.resume`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import warnings
@@ -151,9 +153,9 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
     accelerator = trainer._accelerator
     accelerator.wait_for_everyone()
     writer = accelerator.is_local_main_process if save_per_node else accelerator.is_main_process
-    if writer:
-        atomic_save(checkpoint, save_path)
-    accelerator.wait_for_everyone()
+    with _shared_failures(accelerator, f"Saving the checkpoint {save_path}"):
+        if writer:
+            atomic_save(checkpoint, save_path)
 
 
 def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
@@ -221,60 +223,104 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
             "applied since the last good state, which is kept as it is."
         )
         return False
+    _check_replaceable(output_dir)
     rank = accelerator.process_index
     staging = output_dir.with_name(f".{output_dir.name}.staging")
-    if accelerator.is_main_process:
-        if staging.exists():
-            shutil.rmtree(staging)  # left by a save that was killed
-        staging.mkdir(parents=True)
-    accelerator.wait_for_everyone()
+    what = f"Saving the training state to {output_dir}"
+    with _shared_failures(accelerator, what):
+        if accelerator.is_main_process:
+            if staging.exists():
+                shutil.rmtree(staging)  # left by a save that was killed
+            staging.mkdir(parents=True)
 
     entries = {}
     model = trainer.get_model(keep_torch_compile=False)
-    if accelerator.is_main_process:
-        entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
-        entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
-        if trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
-            entries["scheduler.pt"] = atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
-        if accelerator.scaler is not None:
-            entries["scaler.pt"] = atomic_save(accelerator.scaler.state_dict(), staging / "scaler.pt")
-        callbacks = {name: cb.state_dict() for name, cb in _stateful_callbacks(trainer).items()}
-        if callbacks:
-            entries[_CALLBACKS_FILE] = atomic_save(callbacks, staging / _CALLBACKS_FILE)
-        metadata = {
-            "fasttrain_state_version": STATE_VERSION,
-            **capture_position(trainer),
-            "num_updates": trainer._num_updates,
-            "skipped_updates": trainer.skipped_updates,
-            "run_history": trainer.run_history.state_dict() if hasattr(trainer.run_history, "state_dict") else None,
-            "engine": trainer._engine.state_dict() if trainer._engine is not None else {},
-            "num_processes": accelerator.num_processes,
-        }
-        if checkpoint_kwargs is not None:
-            metadata.update(checkpoint_kwargs)
-        entries[_METADATA_FILE] = atomic_save(metadata, staging / _METADATA_FILE)
-    if _open_accumulation_window(trainer):
-        # inside a window each process holds its own, not yet all-reduced, gradients
-        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-        atomic_save(grads, staging / f"grads_{rank}.pt")
-    # every process has its own random streams
-    atomic_save(
-        {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer._epoch_start_rng},
-        staging / f"rng_state_{rank}.pt",
-    )
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        for path in sorted(staging.iterdir()):
-            if path.name not in entries and not path.name.startswith("."):
-                entries[path.name] = _file_entry(path)  # small per-process files
-        manifest = {"format": "fasttrain-training-state", "version": STATE_VERSION, "files": entries}
-        with open(staging / MANIFEST_FILE, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        _swap_into_place(staging, output_dir)
-    accelerator.wait_for_everyone()
+    with _shared_failures(accelerator, what):
+        if accelerator.is_main_process:
+            entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
+            entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
+            if trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
+                entries["scheduler.pt"] = atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
+            if accelerator.scaler is not None:
+                entries["scaler.pt"] = atomic_save(accelerator.scaler.state_dict(), staging / "scaler.pt")
+            callbacks = {name: cb.state_dict() for name, cb in _stateful_callbacks(trainer).items()}
+            if callbacks:
+                entries[_CALLBACKS_FILE] = atomic_save(callbacks, staging / _CALLBACKS_FILE)
+            metadata = {
+                "fasttrain_state_version": STATE_VERSION,
+                **capture_position(trainer),
+                "num_updates": trainer._num_updates,
+                "skipped_updates": trainer.skipped_updates,
+                "run_history": trainer.run_history.state_dict() if hasattr(trainer.run_history, "state_dict") else None,
+                "engine": trainer._engine.state_dict() if trainer._engine is not None else {},
+                "num_processes": accelerator.num_processes,
+            }
+            if checkpoint_kwargs is not None:
+                metadata.update(checkpoint_kwargs)
+            entries[_METADATA_FILE] = atomic_save(metadata, staging / _METADATA_FILE)
+        if _open_accumulation_window(trainer):
+            # inside a window each process holds its own, not yet all-reduced, gradients
+            grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+            atomic_save(grads, staging / f"grads_{rank}.pt")
+        # every process has its own random streams
+        atomic_save(
+            {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer._epoch_start_rng},
+            staging / f"rng_state_{rank}.pt",
+        )
+    with _shared_failures(accelerator, what):
+        if accelerator.is_main_process:
+            for path in sorted(staging.iterdir()):
+                if path.name not in entries and not path.name.startswith("."):
+                    entries[path.name] = _file_entry(path)  # small per-process files
+            manifest = {"format": "fasttrain-training-state", "version": STATE_VERSION, "files": entries}
+            with open(staging / MANIFEST_FILE, "w") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            _swap_into_place(staging, output_dir)
     return True
+
+
+_STATE_FILE_NAMES = {"model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", _CALLBACKS_FILE, _METADATA_FILE, MANIFEST_FILE}
+
+
+def _check_replaceable(output_dir: Path) -> None:
+    # the swap deletes the previous directory whole, so it must hold a training state and nothing else
+    if not output_dir.is_dir():
+        return
+    foreign = sorted(
+        p.name
+        for p in output_dir.iterdir()
+        if p.name not in _STATE_FILE_NAMES and not re.fullmatch(r"(grads|rng_state)_\d+\.pt", p.name)
+    )
+    if foreign:
+        raise ValueError(
+            f"Not saving the training state to {output_dir}: the directory exists and holds "
+            f"{', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which are not part of a "
+            "training state, and a save replaces the directory whole. Save to a new or empty "
+            f"directory, e.g. {output_dir / 'training_state'}."
+        )
+
+
+@contextlib.contextmanager
+def _shared_failures(accelerator, what: str):
+    """A barrier that also tells every process whether any of them failed in the block, so that
+    a process that raised never leaves the others waiting in the next collective."""
+    error = None
+    try:
+        yield
+    except BaseException as e:  # KeyboardInterrupt included: the others must not hang either
+        error = e
+    if accelerator.num_processes > 1:
+        flag = torch.tensor([0.0 if error is None else 1.0], device=accelerator.device)
+        # SYNC: one gather of one number per phase of a save or load, in place of a barrier
+        failed = bool(accelerator.gather(flag).amax().item())
+    else:
+        failed = error is not None
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{what} failed on another process; its output says why.")
 
 
 def _swap_into_place(staging: Path, output_dir: Path) -> None:
@@ -355,8 +401,9 @@ def load_training_state(trainer, input_dir) -> dict:
     accelerator = trainer._accelerator
     # every process checks that the files are complete; hashing them (reading every byte once
     # more) is left to one process per run, as the files are shared
-    verify_training_state(input_dir, check_hashes=accelerator.is_main_process)
-    metadata = safe_load(input_dir / _METADATA_FILE)
+    with _shared_failures(accelerator, f"Loading the training state from {input_dir}"):
+        verify_training_state(input_dir, check_hashes=accelerator.is_main_process)
+        metadata = safe_load(input_dir / _METADATA_FILE)
     if metadata.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
         raise CheckpointError(
             f"{input_dir} was saved by {metadata['num_processes']} processes and is being loaded by "

@@ -183,7 +183,11 @@ class SaveTrainingStateCallback(TrainerCallback):
         return {"saved_checkpoints": [str(path) for path in self._saved_checkpoints]}
 
     def load_state_dict(self, state: dict) -> None:
-        self._saved_checkpoints = [Path(path) for path in state.get("saved_checkpoints", [])]
+        # only this callback's own directory: a run resumed from another run's state must never
+        # rotate that run's states (the one resumed from included) away
+        self._saved_checkpoints = [
+            Path(path) for path in state.get("saved_checkpoints", []) if Path(path).parent == self.save_dir
+        ]
 
     def _cleanup_old_checkpoints(self, trainer):
         if self.max_checkpoints is None:

@@ -1,0 +1,161 @@
+"""Saves never delete what is not theirs, and processes never hang on one another's failures: a
+save into a directory holding other files is refused, keep-last-N never deletes another run's
+states after a resume, and a process that fails a save or the verification of a load makes the
+others fail too instead of waiting."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from tiny_run import build_trainer, train_kwargs  # noqa: E402
+
+from fasttrain import checkpointing  # noqa: E402
+from fasttrain.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(num_epochs=1, eval_data=False, scheduler=False)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    trainer, _ = build_trainer()
+    torch.manual_seed(0)
+    trainer.train(**train_kwargs(**SMALL))
+    return trainer
+
+
+# ----------------------------------------------------------------------------- data loss
+def test_save_into_a_directory_holding_other_files_deletes_nothing(tmp_path, trained):
+    # a migrated script saving "the run's state" into its output directory
+    out = tmp_path / "outputs"
+    out.mkdir()
+    (out / "best_model.pt").write_bytes(b"precious")
+    (out / "states").mkdir()
+    (out / "states" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not part of a training state.*best_model.pt|best_model.pt.*not part of"):
+        trained.save_training_state(out)
+    assert (out / "best_model.pt").read_bytes() == b"precious"
+    assert (out / "states" / "notes.txt").read_text() == "keep me"
+
+
+def test_saving_over_a_training_state_still_replaces_it(tmp_path, trained):
+    state = tmp_path / "state"
+    trained.save_training_state(state)
+    trained.save_training_state(state)
+    checkpointing.verify_training_state(state)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_keep_last_n_after_resume_never_deletes_another_directorys_states(tmp_path):
+    kwargs = dict(num_epochs=2, eval_data=False, scheduler=False)
+
+    class StopAtUpdate(TrainerCallback):
+        def on_train_step_end(self, trainer, **kw):
+            if trainer.num_updates == 4:
+                raise StopTrainingError("stop")
+
+    first_dir, second_dir = tmp_path / "run_a", tmp_path / "run_b"
+    saver = SaveTrainingStateCallback(save_dir=str(first_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
+    first, _ = build_trainer(callbacks=[saver, StopAtUpdate()])
+    first.train(**train_kwargs(**kwargs))
+    assert sorted(p.name for p in first_dir.iterdir()) == ["step_3", "step_4"]
+    # a new run, saving elsewhere, branches off run_a's newest state
+    saver2 = SaveTrainingStateCallback(save_dir=str(second_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
+    second, _ = build_trainer(callbacks=[saver2])
+    second.train(**train_kwargs(**kwargs), resume_from=str(first_dir / "step_4"))
+    assert sorted(p.name for p in first_dir.iterdir()) == ["step_3", "step_4"]
+    assert sorted(p.name for p in second_dir.iterdir()) == ["step_5", "step_6"]
+
+
+# ----------------------------------------------------------------------------- several processes
+_WORKER = textwrap.dedent(
+    """
+    import sys, traceback
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from tiny_run import build_trainer, train_kwargs
+    from fasttrain import checkpointing
+
+    out = Path(sys.argv[1])
+    trainer, _ = build_trainer()
+    kwargs = train_kwargs(num_epochs=1, eval_data=False, scheduler=False)
+    trainer.train(**kwargs)
+    rank = trainer._accelerator.process_index
+    results = []
+    real_atomic_save = checkpointing.atomic_save
+
+    def run(name, fn):
+        try:
+            fn()
+            results.append(f"{name}:ok")
+        except Exception as e:
+            results.append(f"{name}:{type(e).__name__}")
+
+    def failing_on_rank0(obj, path):
+        if rank == 0:
+            raise OSError("no space left on device")
+        return real_atomic_save(obj, path)
+
+    # a disk error on the main process while it writes the model
+    checkpointing.atomic_save = failing_on_rank0
+    run("state", lambda: trainer.save_training_state(out / "state"))
+    run("checkpoint", lambda: trainer.save_checkpoint(out / "model.pt"))
+    checkpointing.atomic_save = real_atomic_save
+
+    # a file corrupted without changing its size: only the process that hashes sees it
+    trainer.save_training_state(out / "good")
+    trainer._accelerator.wait_for_everyone()
+    if rank == 0:
+        data = bytearray((out / "good" / "optimizer.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (out / "good" / "optimizer.pt").write_bytes(bytes(data))
+    trainer._accelerator.wait_for_everyone()
+    fresh, _ = build_trainer(model_seed=1)
+    run("resume", lambda: fresh.train(**kwargs, resume_from=str(out / "good")))
+    (out / f"rank{rank}.txt").write_text(" ".join(results))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_a_process_failing_a_save_or_load_does_not_leave_the_others_waiting(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = tmp_path / "log.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(script), str(tmp_path), str(SCRIPTS)]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc.wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the processes hung; end of their output:\n{log.read_text(errors='replace')[-4000:]}")
+    assert proc.returncode == 0, log.read_text(errors="replace")[-4000:]
+    rank0 = (tmp_path / "rank0.txt").read_text().split()
+    rank1 = (tmp_path / "rank1.txt").read_text().split()
+    assert rank0 == ["state:OSError", "checkpoint:OSError", "resume:CheckpointError"]
+    assert rank1 == ["state:CheckpointError", "checkpoint:CheckpointError", "resume:CheckpointError"]
+    # the failed save left nothing that looks like a state
+    assert not (tmp_path / "state").exists()
