@@ -349,6 +349,10 @@ class Trainer:
             self.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
         )
         self.scheduler = self.create_scheduler() if self.create_scheduler_fn is not None else None
+        # gradients of a window left open by a run that stopped mid-window must not reach this
+        # run's first update (a resumed state brings its own back); cleared before the engine is
+        # set up, since the graphed engine keeps the gradient tensors it captures
+        self.model.zero_grad(set_to_none=True)
         self._setup_engine()
         self._nonfinite = NonFiniteGuard(
             self.nonfinite, self.optimizer, has_loss_scaler=self._accelerator.scaler is not None
@@ -560,7 +564,11 @@ class Trainer:
     def _run_eval_epoch(self, valid_dl, is_training: bool = True, is_intermediate: bool = False):
         self.eval_epoch_start()
         handler = self.callback_handler
+        loader_before = self._eval_dataloader
         handler.call_event("on_eval_epoch_start", self, is_intermediate=is_intermediate)
+        if valid_dl is loader_before and self._eval_dataloader is not loader_before:
+            # a callback replaced the loader for this epoch (LimitEvalStepsCallback)
+            valid_dl = self._eval_dataloader
         buffer = StepMetricsBuffer("eval", self.run_history.current_epoch)
         step_start = handler.handlers("on_eval_step_start")
         step_end = handler.handlers("on_eval_step_end")

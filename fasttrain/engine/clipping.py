@@ -21,7 +21,9 @@ class GradientClipper:
     """Clips the gradients of a fixed set of parameters by value and/or by global norm."""
 
     def __init__(self, parameters, clip_value: Optional[float] = None, clip_norm: Optional[float] = None):
-        self.parameters = [p for p in parameters if p.requires_grad]
+        # all of them: layers unfrozen during training (finetuning) get gradients later, and
+        # gradients_of() skips the ones without
+        self.parameters = list(parameters)
         self.clip_value = clip_value
         self.clip_norm = clip_norm
         self.enabled = clip_value is not None or clip_norm is not None

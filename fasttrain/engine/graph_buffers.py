@@ -116,9 +116,10 @@ class StepRing:
         """On the host, after a replay: the slot that replay wrote."""
         calls = self.calls
         if calls >= _COUNTER_RESET and calls % self.size == 0:
-            # restart the device counter at a ring boundary (slot 0 comes next either way), long
-            # before float32 stops counting exactly; queued on the stream, no sync
-            self.losses.counters[3].zero_()
+            # restart the device counter at a ring boundary, long before float32 stops counting
+            # exactly; queued on the stream, no sync. The replay that just ran wrote slot 0 and
+            # advanced the device counter past it, so the restarted counter points at slot 1.
+            self.losses.counters[3].fill_(1.0)
             calls = 0
         self.calls = calls + 1
         return calls % self.size
