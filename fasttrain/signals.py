@@ -223,13 +223,21 @@ def handle_interrupts(trainer):
             handler = None
     trainer._interrupt = handler if handler is not None else InterruptFlag()
     shield = _shield_workers(trainer, handler.signals) if handler is not None else contextlib.nullcontext()
+    unhandled = 0
     try:
         with shield:
             yield trainer._interrupt
+        if handler is not None and handler._received and trainer.stop_reason != "interrupted":
+            # the signal came after the last point where training checks for one (in the
+            # epoch-end or run-end callbacks): the run finished, and the signal still gets to
+            # the handler that was in place before train()
+            unhandled = handler.signal_number
     finally:
         if handler is not None:
             handler.restore()
         trainer._interrupt = InterruptFlag()
+    if unhandled:
+        signal.raise_signal(unhandled)
 
 
 # ------------------------------------------------------------------------------- after the stop
