@@ -449,23 +449,6 @@ def test_set_param_group_value_writes_tensors_in_place_and_floats_by_assignment(
     assert group["new_field"] == 1.5
 
 
-SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "cpu", "__int__", "numpy")
-
-
-@pytest.fixture
-def sync_counter(monkeypatch):
-    counts = {"n": 0}
-    for name in SYNC_METHODS:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    return counts
-
-
 @pytest.mark.parametrize("cls, kwargs", [
     (CosineLrScheduler, dict(total_num_epochs=4, num_update_steps_per_epoch=5, num_warmup_epochs=1)),
     (WSDLrScheduler, dict(total_steps=20, num_warmup_steps=3, decay_phase_ratio=0.3)),

@@ -186,23 +186,6 @@ def test_loss_tracker_detaches_and_rejects_non_scalar_losses():
         tracker.update(torch.ones(3), 3)
 
 
-SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "cpu", "__int__", "numpy", "__index__")
-
-
-@pytest.fixture
-def sync_counter(monkeypatch):
-    counts = {"n": 0}
-    for name in SYNC_METHODS:
-        original = getattr(torch.Tensor, name)
-
-        def counting(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counting)
-    return counts
-
-
 def test_loss_tracker_update_with_tensors_makes_no_host_sync(sync_counter):
     tracker = LossTracker()
     losses = [torch.tensor(0.1 * i, dtype=torch.float32, requires_grad=True) * 1 for i in range(50)]
