@@ -7,7 +7,6 @@ flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from typing import Iterable, Optional
@@ -344,7 +343,6 @@ class Trainer:
         )
         validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
         self._check_eval_batch_size()
-        self._gradient_clip_norm = gradient_clip_norm
         self._clipper = GradientClipper(
             self.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
         )
@@ -575,16 +573,22 @@ class Trainer:
         engine = self._engine
         # an intermediate evaluation belongs to a training step, which finishes it
         interrupt = self._interrupt if not is_intermediate else signals.InterruptFlag()
-        with self._join_uneven_eval_inputs():
-            for step, batch in enumerate(valid_dl):
-                handler.call_methods(step_start, self)
-                batch_output = engine.eval_step(batch)
-                buffer.add(step, batch_output)
-                handler.call_methods(step_end, self, batch=batch, batch_output=batch_output)
-                if len(buffer) >= self.log_every_n_steps:
-                    self._flush(buffer, is_epoch_end=False)
-                if interrupt.stop_requested:  # checked before the next batch is fetched
-                    raise signals.TrainingInterrupted(interrupt.signal_number)
+        # No torch Join around evaluation (accelerate's join_uneven_inputs uses one on GPUs): its
+        # DDP hook makes a process that runs out of batches post the all-reduces of a backward
+        # pass that never comes in evaluation, so the processes deadlock or mismatch collectives
+        # (reproduced with gloo in tests/test_distributed.py). None is needed: under no_grad
+        # DDP's forward communicates only to broadcast buffers on the first forward after a
+        # synced training forward, and every process has at least one eval batch
+        # (_check_eval_batch_size).
+        for step, batch in enumerate(valid_dl):
+            handler.call_methods(step_start, self)
+            batch_output = engine.eval_step(batch)
+            buffer.add(step, batch_output)
+            handler.call_methods(step_end, self, batch=batch, batch_output=batch_output)
+            if len(buffer) >= self.log_every_n_steps:
+                self._flush(buffer, is_epoch_end=False)
+            if interrupt.stop_requested:  # checked before the next batch is fetched
+                raise signals.TrainingInterrupted(interrupt.signal_number)
         self.eval_epoch_end()
         self._flush(buffer, is_epoch_end=True)
         if is_intermediate:
@@ -595,16 +599,6 @@ class Trainer:
             name = "evaluation_loss"
         self._add_epoch_loss_to_run_history(name, buffer)
         handler.call_event("on_eval_epoch_end", self, is_intermediate=is_intermediate)
-
-    def _join_uneven_eval_inputs(self):
-        # No torch Join around evaluation (accelerate's join_uneven_inputs uses one on GPUs): its
-        # DDP hook makes a process that runs out of batches post the all-reduces of a backward
-        # pass that never comes in evaluation, so the processes deadlock or mismatch
-        # collectives (reproduced with gloo in tests/test_distributed.py). None is needed: under
-        # no_grad DDP's forward communicates only to broadcast buffers on the first forward
-        # after a synced training forward, and every process has at least one eval batch
-        # (_check_eval_batch_size).
-        return contextlib.nullcontext()
 
     def _flush(self, buffer: StepMetricsBuffer, is_epoch_end: bool):
         if len(buffer) == 0 and not is_epoch_end:
