@@ -1,0 +1,223 @@
+"""Checkpoints in Lightning's format, both ways.
+
+fasttrain writes the keys ``lightning.Trainer`` writes (``epoch``, ``global_step``,
+``pytorch-lightning_version``, ``state_dict``, ``loops``, ``callbacks``, ``optimizer_states``,
+``lr_schedulers``, ``hyper_parameters``), so ``LightningModule.load_from_checkpoint`` and
+``lightning.Trainer.fit(ckpt_path=...)`` read its files, and it reads Lightning's. The ``loops``
+counters carry the position in the epoch, so a checkpoint saved mid-epoch (``ModelCheckpoint(
+every_n_train_steps=...)``) resumes at the next batch rather than at the epoch start.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import lightning
+import torch
+
+
+def _progress(ready, completed, processed=None, started=None) -> dict:
+    out = {"ready": ready, "completed": completed}
+    if started is not None:
+        out["started"] = started
+    if processed is not None:
+        out["processed"] = processed
+    return out
+
+
+def _loops(lt) -> dict:
+    state = lt.fit_loop
+    epoch_loop = state.epoch_loop
+    epochs = state.epoch_progress.current
+    batches = epoch_loop.batch_progress
+    in_epoch = batches.current.ready
+    # ModelCheckpoint saves inside on_train_batch_end / on_train_epoch_end: the current batch is
+    # processed but not completed yet, as in Lightning
+    steps = lt.global_step
+    manual = not lt.lightning_module.automatic_optimization
+    zero = _progress(0, 0, 0, 0)
+    epoch_counts = _progress(epochs.ready, epochs.completed, epochs.processed, epochs.ready)
+    batch_counts = {
+        "current": _progress(in_epoch, max(in_epoch - 1, 0), in_epoch, in_epoch),
+        "total": _progress(batches.total.ready, max(batches.total.ready - 1, 0), batches.total.ready, batches.total.ready),
+        "is_last_batch": bool(batches.is_last_batch),
+    }
+    if batches.is_last_batch or epochs.processed > epochs.completed:
+        batch_counts["current"]["completed"] = in_epoch
+        batch_counts["total"]["completed"] = batches.total.ready
+    auto_steps = 0 if manual else steps
+    eval_counts = {"current": dict(zero), "total": dict(zero), "is_last_batch": False}
+    return {
+        "fit_loop": {
+            "state_dict": {},
+            "epoch_loop.state_dict": {"_batches_that_stepped": epoch_loop._batches_that_stepped},
+            "epoch_loop.batch_progress": batch_counts,
+            "epoch_loop.scheduler_progress": {"current": _progress(0, 0), "total": _progress(0, 0)},
+            "epoch_loop.automatic_optimization.state_dict": {},
+            "epoch_loop.automatic_optimization.optim_progress": {
+                "optimizer": {
+                    "step": {"current": _progress(auto_steps, auto_steps), "total": _progress(auto_steps, auto_steps)},
+                    "zero_grad": {
+                        "current": _progress(auto_steps, auto_steps, started=auto_steps),
+                        "total": _progress(auto_steps, auto_steps, started=auto_steps),
+                    },
+                }
+            },
+            "epoch_loop.manual_optimization.state_dict": {},
+            "epoch_loop.manual_optimization.optim_step_progress": {
+                "current": _progress(steps if manual else 0, steps if manual else 0),
+                "total": _progress(steps if manual else 0, steps if manual else 0),
+            },
+            "epoch_loop.val_loop.state_dict": {},
+            "epoch_loop.val_loop.batch_progress": eval_counts,
+            "epoch_progress": {"current": epoch_counts, "total": dict(epoch_counts)},
+        },
+        "validate_loop": {"state_dict": {}, "batch_progress": eval_counts},
+        "test_loop": {"state_dict": {}, "batch_progress": eval_counts},
+        "predict_loop": {"state_dict": {}, "batch_progress": {"current": dict(zero), "total": dict(zero)}},
+    }
+
+
+def _float_hyperparams(state: dict) -> dict:
+    # the compiled engines hold learning rates and betas as device tensors; checkpoints keep
+    # Lightning's plain numbers so any reader (and torch's schedulers on load) sees floats
+    groups = []
+    for group in state.get("param_groups", []):
+        group = dict(group)
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor) and value.ndim == 0 and key != "params":
+                group[key] = value.item()  # SYNC(save): a checkpoint is written on the host
+            elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+                group[key] = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value)
+        groups.append(group)
+    return {**state, "param_groups": groups}
+
+
+def dump_checkpoint(lt, weights_only: bool = False) -> dict:
+    module = lt.lightning_module
+    checkpoint = {
+        "epoch": lt.current_epoch,
+        "global_step": lt.global_step,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": module.state_dict(),
+        "loops": _loops(lt),
+    }
+    if not weights_only:
+        callbacks = {}
+        for callback in lt.callbacks:
+            state = callback.state_dict()
+            if state:
+                callbacks[callback.state_key] = state
+        checkpoint["callbacks"] = callbacks
+        checkpoint["optimizer_states"] = [_float_hyperparams(opt.state_dict()) for opt in lt.optimizers]
+        checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in lt.lr_scheduler_configs]
+        scaler = lt._scaler()
+        if scaler is not None:
+            checkpoint["MixedPrecision"] = scaler.state_dict()
+    if module.hparams:
+        if hasattr(module, "_hparams_name"):
+            checkpoint["hparams_name"] = module._hparams_name
+        checkpoint["hyper_parameters"] = dict(module.hparams)
+    dm = lt.datamodule
+    if dm is not None:
+        if dm.hparams:
+            if hasattr(dm, "_hparams_name"):
+                checkpoint["datamodule_hparams_name"] = dm._hparams_name
+            checkpoint["datamodule_hyper_parameters"] = dict(dm.hparams)
+        dm_state = dm.state_dict()
+        if dm_state:
+            checkpoint[type(dm).__qualname__] = dm_state
+    if not weights_only:
+        for callback in lt.callbacks:
+            callback.on_save_checkpoint(lt, module, checkpoint)
+    lt._hooks.module_hook("on_save_checkpoint", checkpoint)
+    if dm is not None:
+        dm.on_save_checkpoint(checkpoint)
+    return checkpoint
+
+
+def write(checkpoint: dict, filepath) -> None:
+    """Write atomically: a crash mid-write leaves the previous file, never a truncated one."""
+    filepath = os.fspath(filepath)
+    directory = os.path.dirname(os.path.abspath(filepath))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".ckpt")
+    os.close(fd)
+    try:
+        torch.save(checkpoint, tmp)
+        os.replace(tmp, filepath)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def resolve_path(lt, ckpt_path) -> str:
+    if ckpt_path in ("best", "last"):
+        callback = lt.checkpoint_callback
+        path = None
+        if callback is not None:
+            path = callback.best_model_path if ckpt_path == "best" else callback.last_model_path
+        if not path:
+            raise ValueError(f"ckpt_path={ckpt_path!r} but no checkpoint callback saved a {ckpt_path} checkpoint")
+        return path
+    path = os.fspath(ckpt_path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"ckpt_path {path!r} is not a file")
+    return path
+
+
+def restore(lt, path: str, weights_only: bool = False) -> dict:
+    """Load a Lightning-format checkpoint into the module (and, for fit, the optimizers,
+    schedulers, callbacks and loop counters)."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    module = lt.lightning_module
+    for key in ("pytorch-lightning_version", "state_dict"):
+        if key not in checkpoint:
+            raise KeyError(f"{path} is not a Lightning checkpoint: it lacks {key!r}")
+    lt._hooks.module_hook("on_load_checkpoint", checkpoint)
+    module.load_state_dict(checkpoint["state_dict"])
+    if weights_only:
+        return checkpoint
+    for key in ("optimizer_states", "lr_schedulers"):
+        if key not in checkpoint:
+            raise KeyError(f"{path} holds weights only (no {key!r}); fit(ckpt_path=...) needs a full checkpoint")
+    if len(checkpoint["optimizer_states"]) != len(lt.optimizers):
+        raise ValueError(
+            f"{path} has {len(checkpoint['optimizer_states'])} optimizer states, configure_optimizers made {len(lt.optimizers)}"
+        )
+    for optimizer, state in zip(lt.optimizers, checkpoint["optimizer_states"]):
+        optimizer.load_state_dict(state)
+    for config, state in zip(lt.lr_scheduler_configs, checkpoint["lr_schedulers"]):
+        config.scheduler.load_state_dict(state)
+    states = checkpoint.get("callbacks", {})
+    for callback in lt.callbacks:
+        state = states.get(callback.state_key)
+        if state:
+            callback.load_state_dict(state)
+        callback.on_load_checkpoint(lt, module, checkpoint)
+    dm = lt.datamodule
+    if dm is not None and type(dm).__qualname__ in checkpoint:
+        dm.load_state_dict(checkpoint[type(dm).__qualname__])
+    _restore_counters(lt, checkpoint)
+    return checkpoint
+
+
+def _restore_counters(lt, checkpoint: dict) -> None:
+    lt._global_step = int(checkpoint.get("global_step", 0))
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    state = lt.fit_loop
+    if fit is None:  # Lightning restarts such a checkpoint at epoch 0 (weights and optimizer kept)
+        lt._global_step = 0
+        return
+    epochs = fit["epoch_progress"]["current"]
+    batches = fit["epoch_loop.batch_progress"]
+    done_epochs = epochs["processed"]
+    in_epoch = batches["current"]["processed"]
+    mid_epoch = epochs["processed"] == epochs["completed"] and not batches["is_last_batch"] and in_epoch > 0
+    current = state.epoch_progress.current
+    current.ready = current.processed = current.completed = done_epochs
+    state.resume_batch = in_epoch if mid_epoch else 0
+    state.epoch_loop.batch_progress.total.ready = batches["total"]["processed"]
+    state.epoch_loop._batches_that_stepped = fit["epoch_loop.state_dict"].get("_batches_that_stepped", lt._global_step)

@@ -1,0 +1,270 @@
+"""Set-up and tear-down around the loops of ``fit``, ``validate``, ``test`` and ``predict``:
+attaching the module, data, optimizers, the engine choice, checkpoints to resume from."""
+
+from __future__ import annotations
+
+import warnings
+
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.model_summary import summarize
+
+from fasttrain.engine import auto_engine_name
+from fasttrain.lightning import checkpoint as ckpt_io
+from fasttrain.lightning.arguments import limited_batches
+from fasttrain.lightning.hooks import BACKWARD_HOOKS, UPDATE_HOOKS, HookCaller, module_overrides
+from fasttrain.lightning.loops import run_evaluation, run_predict
+from fasttrain.lightning.runner import ModuleRunner
+
+_BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _as_list(loaders) -> list:
+    if loaders is None:
+        return []
+    if isinstance(loaders, (list, tuple)):
+        return list(loaders)
+    if isinstance(loaders, dict):
+        raise TypeError("a dict of dataloaders (CombinedLoader) is not supported; pass a list of dataloaders")
+    return [loaders]
+
+
+def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
+    if model is None:
+        model = lt._module
+        if model is None:
+            raise ValueError(f"{fn.value}() needs a LightningModule: pass model=...")
+    if not isinstance(model, LightningModule):
+        raise TypeError(f"expected a lightning.LightningModule, got {type(model).__name__}")
+    if datamodule is not None and not isinstance(datamodule, LightningDataModule):
+        raise TypeError(f"datamodule must be a lightning.LightningDataModule, got {type(datamodule).__name__}")
+    lt._module = model
+    model.trainer = lt
+    if datamodule is not None:
+        lt.datamodule = datamodule
+        datamodule.trainer = lt
+    lt.state.fn = fn
+    lt.state.status = TrainerStatus.RUNNING
+    lt.should_stop = False
+    lt._hooks = HookCaller(lt, model, lt.callbacks)
+    lt._batch_hooks = {name: module_overrides(model, name) for name in _BATCH_HOOKS}
+
+
+def _setup_hooks(lt, stage: str) -> None:
+    hooks = lt._hooks
+    dm = lt.datamodule
+    if dm is not None:
+        dm.prepare_data()
+    hooks.module_hook("prepare_data")
+    for logger in lt.loggers:
+        getattr(logger, "experiment", None)  # Lightning creates the experiment before setup
+    if dm is not None:
+        dm.setup(stage=stage)
+    hooks("setup", stage=stage)
+    hooks.module_hook("configure_model")
+
+
+def _teardown(lt, stage: str, failed: bool = False) -> None:
+    dm = lt.datamodule
+    if dm is not None:
+        dm.teardown(stage=stage)
+    lt._hooks("teardown", stage=stage)
+    lt.lightning_module._current_fx_name = None
+    lt.lightning_module._metric_attributes = None
+    for logger in lt.loggers:
+        logger.finalize("failed" if failed else "success")
+    lt.state.status = TrainerStatus.INTERRUPTED if failed else TrainerStatus.FINISHED
+
+
+def _loader(lt, given, hook: str):
+    if given is not None:
+        return given
+    if lt.datamodule is not None and _is_overridden_dm(lt.datamodule, hook):
+        return getattr(lt.datamodule, hook)()
+    if module_overrides(lt.lightning_module, hook):
+        return lt._hooks.module_hook(hook)
+    return None
+
+
+def _is_overridden_dm(dm, hook: str) -> bool:
+    return getattr(type(dm), hook, None) is not getattr(LightningDataModule, hook, None)
+
+
+def _choose_engine(lt, requested: str, device) -> str:
+    """The engine that can honour the module's hooks; one warning when that is not the one asked for."""
+    module = lt.lightning_module
+    hooks = lt._hooks
+    name = auto_engine_name(device) if requested == "auto" else requested
+    if not module.automatic_optimization:
+        blockers, target = ["automatic_optimization = False"], "eager"
+    else:
+        blockers = [h for h in UPDATE_HOOKS if module_overrides(module, h)]
+        if hooks.callback_methods("on_before_optimizer_step"):
+            blockers.append("a callback's on_before_optimizer_step")
+        target = "eager"
+        if not blockers and name == "cudagraph":
+            blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
+            target = "compiled"
+    if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
+        return name
+    if requested != "auto":
+        warnings.warn(
+            f"fasttrain: the module overrides {', '.join(blockers)}, which runs host code the {name!r} engine "
+            f"cannot replay; this fit runs on the {target!r} engine instead.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return target
+
+
+def _runner(lt, optimizer, engine: str) -> ModuleRunner:
+    args = lt._args
+    runner = ModuleRunner(
+        lt, optimizer, engine=engine, log_every_n_steps=max(args.log_every_n_steps, 1),
+        mixed_precision=args.mixed_precision, compile_options=args.compile_options, nonfinite=args.nonfinite,
+        handle_signals=False,
+    )
+    lt._runner = runner
+    lt._device = runner.device
+    lt.lightning_module.to(runner.device)
+    return runner
+
+
+def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) -> None:
+    if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
+        raise ValueError("pass either dataloaders or a datamodule to fit(), not both")
+    if isinstance(train_dataloaders, LightningDataModule):
+        datamodule, train_dataloaders = train_dataloaders, None
+    _attach(lt, model, datamodule, TrainerFn.FITTING)
+    module = lt.lightning_module
+    lt.training = True
+    _setup_hooks(lt, "fit")
+    train_loader = _loader(lt, train_dataloaders, "train_dataloader")
+    if train_loader is None:
+        raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
+    if isinstance(train_loader, (list, tuple, dict)):
+        raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
+    lt._train_loader = train_loader
+    lt.num_training_batches = limited_batches(lt.limit_train_batches, len(train_loader))
+    lt._val_loaders = _as_list(_loader(lt, val_dataloaders, "val_dataloader")) if module_overrides(
+        module, "validation_step") else []
+    runner = _runner(lt, None, "eager")
+    optimizers, lt.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+    lt.optimizers = optimizers
+    if module.automatic_optimization and len(optimizers) != 1:
+        raise ValueError(
+            f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization takes one. "
+            "Set self.automatic_optimization = False to step several yourself."
+        )
+    strategy = lt.strategy
+    strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, strategy) for o in optimizers]
+    if not module.automatic_optimization:
+        _check_manual(lt)
+        for lightning_optimizer in strategy._lightning_optimizers:
+            lightning_optimizer._on_after_step = lt._manual_optimizer_stepped
+    hooks = lt._hooks
+    lt._module_steps = module_overrides(module, "optimizer_step")
+    lt._custom_clipping = module_overrides(module, "configure_gradient_clipping")
+    lt._before_step_hooks = hooks.overridden("on_before_optimizer_step")
+    lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
+    lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
+    runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
+    lt._resumed = False
+    if ckpt_path is not None:
+        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
+        ckpt_io.restore(lt, lt.ckpt_path)
+        lt._resumed = True
+    if lt._args.enable_model_summary and lt.is_global_zero:
+        print(summarize(module))
+    clip_value = clip_norm = None
+    if lt.gradient_clip_val and not lt._custom_clipping and module.automatic_optimization:
+        if lt.gradient_clip_algorithm is not None and lt.gradient_clip_algorithm.value == "value":
+            clip_value = lt.gradient_clip_val
+        else:
+            clip_norm = lt.gradient_clip_val
+    runner.optimizer = optimizers[0] if optimizers else None
+    failed = True
+    try:
+        runner.train(
+            train_loader,
+            num_epochs=max(lt.max_epochs, 1),
+            per_device_batch_size=getattr(train_loader, "batch_size", None) or 1,
+            gradient_accumulation_steps=lt.accumulate_grad_batches,
+            gradient_clip_value=clip_value,
+            gradient_clip_norm=clip_norm,
+        )
+        failed = False
+    finally:
+        lt.training = False
+        if not failed:
+            hooks("on_fit_end")
+        _teardown(lt, "fit", failed)
+
+
+def _check_manual(lt) -> None:
+    if lt.accumulate_grad_batches != 1:
+        raise ValueError(
+            "accumulate_grad_batches does not apply under manual optimization; accumulate in training_step "
+            "(step the optimizer every N batches) and leave accumulate_grad_batches=1"
+        )
+    if lt.gradient_clip_val:
+        raise ValueError(
+            "gradient_clip_val does not apply under manual optimization; call self.clip_gradients(opt, ...) "
+            "in training_step instead"
+        )
+    if lt._args.mixed_precision == "fp16":
+        raise ValueError("precision='16-mixed' with manual optimization is not supported; use 'bf16-mixed'")
+
+
+def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
+    fn = TrainerFn.TESTING if stage == "test" else TrainerFn.VALIDATING
+    if isinstance(dataloaders, LightningDataModule):
+        datamodule, dataloaders = dataloaders, None
+    _attach(lt, model, datamodule, fn)
+    step = "test_step" if stage == "test" else "validation_step"
+    if not module_overrides(lt.lightning_module, step):
+        raise ValueError(f"{stage}() needs the module to define {step}()")
+    _setup_hooks(lt, stage)
+    hook = "test_dataloader" if stage == "test" else "val_dataloader"
+    loaders = _as_list(_loader(lt, dataloaders, hook))
+    if not loaders:
+        raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
+    if stage == "test":
+        lt._test_loaders = loaders
+    else:
+        lt._val_loaders = loaders
+    if ckpt_path is not None:
+        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
+        ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
+    runner = _runner(lt, None, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
+    runner.prepare_for_evaluation(loaders[0])
+    failed = True
+    try:
+        results = run_evaluation(lt, runner, stage)
+        failed = False
+    finally:
+        _teardown(lt, stage, failed)
+    return results
+
+
+def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
+    if isinstance(dataloaders, LightningDataModule):
+        datamodule, dataloaders = dataloaders, None
+    _attach(lt, model, datamodule, TrainerFn.PREDICTING)
+    _setup_hooks(lt, "predict")
+    loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
+    if not loaders:
+        raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
+    if ckpt_path is not None:
+        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
+        ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
+    runner = _runner(lt, None, "eager")
+    runner.prepare_for_evaluation(loaders[0])
+    failed = True
+    try:
+        predictions = run_predict(lt, runner, loaders)
+        failed = False
+    finally:
+        _teardown(lt, "predict", failed)
+    return None if return_predictions is False else predictions

@@ -1,0 +1,130 @@
+"""``callback_metrics``, ``logged_metrics`` and the loggers, fed from the device-side results.
+
+The metric dicts are built when someone reads them (a callback, the epoch end), not after every
+batch; the loggers get host values once every ``log_every_n_steps`` stepping batches and at epoch
+ends, in one packed device-to-host copy of all logged values.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+
+
+def build_loggers(logger, root_dir: str) -> list:
+    """Lightning's ``logger=`` argument as a list of loggers (``True``/``None``: TensorBoard when
+    installed, else CSV, under ``default_root_dir``)."""
+    if logger is False:
+        return []
+    if logger is None or logger is True:
+        try:
+            import tensorboard  # noqa: F401
+
+            return [TensorBoardLogger(save_dir=root_dir)]
+        except ImportError:
+            return [CSVLogger(save_dir=root_dir)]
+    if isinstance(logger, Logger):
+        return [logger]
+    loggers = list(logger)
+    for item in loggers:
+        if not isinstance(item, Logger):
+            raise TypeError(f"logger must be a Lightning Logger, a list of them, True or False; got {type(item).__name__}")
+    return loggers
+
+
+def to_host(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """All values as Python floats in one device-to-host copy."""
+    if not metrics:
+        return {}
+    names = list(metrics)
+    values = [metrics[name].detach().reshape(()).to(torch.float64) for name in names]
+    # SYNC(flush): loggers need host numbers; one packed copy for all logged values
+    host = torch.stack(values).tolist()
+    return dict(zip(names, host))
+
+
+class LoggerConnector:
+    """``trainer._logger_connector``: what ``LightningModule.log`` and Lightning's callbacks use."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self._current_fx = None
+        self.on_step = True  # training batches report step values until the epoch end
+        self.eval_epoch_ended = False
+        self._callback_metrics: dict = {}
+        self._logged_metrics: dict = {}
+        self._progress_bar_metrics: dict = {}
+
+    def should_reset_tensors(self, fx: str) -> bool:
+        return False  # the loops reset each result store at the start of its epoch
+
+    @property
+    def should_update_logs(self) -> bool:
+        trainer = self.trainer
+        if trainer.log_every_n_steps == 0:
+            return False
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+        return step % trainer.log_every_n_steps == 0 or trainer.should_stop
+
+    def _current(self):
+        results = self.trainer._results
+        if results is None:
+            return None
+        if results.training:
+            return results.metrics(self.on_step)
+        if not self.eval_epoch_ended:
+            return None  # evaluation values reach callbacks at the evaluation's epoch end
+        return results.metrics(False)
+
+    @property
+    def callback_metrics(self) -> dict:
+        metrics = self._current()
+        if metrics is not None:
+            self._callback_metrics.update(metrics["callback"])
+        return self._callback_metrics
+
+    @property
+    def logged_metrics(self) -> dict:
+        metrics = self._current()
+        if metrics is not None:
+            self._logged_metrics.update(metrics["log"])
+        return self._logged_metrics
+
+    @property
+    def progress_bar_metrics(self) -> dict:
+        metrics = self._current()
+        if metrics is not None:
+            self._progress_bar_metrics.update(metrics["pbar"])
+        return to_host(self._progress_bar_metrics)
+
+    def absorb(self, results, on_step: bool) -> dict:
+        """Take ``results``' current values into the metric dicts; returns the logged ones."""
+        metrics = results.metrics(on_step)
+        self._callback_metrics.update(metrics["callback"])
+        self._logged_metrics.update(metrics["log"])
+        self._progress_bar_metrics.update(metrics["pbar"])
+        return metrics["log"]
+
+    def reset_metrics(self) -> None:
+        self._callback_metrics, self._logged_metrics, self._progress_bar_metrics = {}, {}, {}
+
+    def log_train_step(self) -> None:
+        trainer = self.trainer
+        if not trainer.loggers or not self.should_update_logs:
+            return
+        self.log_metrics(trainer._train_results.metrics(on_step=True)["log"])
+
+    def log_metrics(self, metrics: dict, step=None) -> None:
+        trainer = self.trainer
+        if not trainer.loggers or not metrics:
+            return
+        self._logged_metrics.update(metrics)
+        scalars = to_host(metrics)
+        if step is None:
+            scalars.setdefault("epoch", trainer.current_epoch)
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics=scalars, step=step)
+            logger.save()

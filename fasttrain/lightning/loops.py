@@ -1,0 +1,283 @@
+"""Lightning's fit, evaluation and prediction loops, each batch run by a fasttrain step engine.
+
+Read :func:`run_fit` top to bottom for Lightning's order: batch hooks -> the engine's step
+(training_step, backward, clip, optimizer step) -> schedulers -> ``on_train_batch_end`` ->
+loggers (every ``log_every_n_steps`` stepping batches: the one host copy of the logged values)
+-> validation when due; then the epoch-end hooks, the epoch metrics, the next epoch.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from fasttrain.lightning.arguments import limited_batches
+
+
+class _Progress:
+    """The counters of Lightning's loops that callbacks and checkpoints read."""
+
+    def __init__(self):
+        self.is_last_batch = False
+        self.current = SimpleNamespace(ready=0, completed=0, processed=0, started=0)
+        self.total = SimpleNamespace(ready=0, completed=0, processed=0, started=0)
+
+
+class FitLoopState:
+    """``trainer.fit_loop`` as Lightning's callbacks read it."""
+
+    def __init__(self):
+        self.epoch_progress = _Progress()
+        self.epoch_loop = SimpleNamespace(
+            _batches_that_stepped=0,
+            batch_progress=_Progress(),
+            val_loop=SimpleNamespace(_has_run=False),
+            batch_idx=0,
+            total_batch_idx=0,
+        )
+        #: the batch to resume at in the first epoch (a mid-epoch checkpoint)
+        self.resume_batch = 0
+
+
+# ---------------------------------------------------------------------------------- batches
+def transfer(lt, batch, dataloader_idx: int = 0):
+    """Lightning's batch hooks around the move to the device (skipped when not overridden)."""
+    hooks = lt._hooks
+    module = lt.lightning_module
+    if lt._batch_hooks["on_before_batch_transfer"]:
+        batch = hooks.module_hook("on_before_batch_transfer", batch, dataloader_idx)
+    if lt._batch_hooks["transfer_batch_to_device"] or lt._device.type != "cpu":
+        batch = hooks.module_hook("transfer_batch_to_device", batch, module.device, dataloader_idx)
+    if lt._batch_hooks["on_after_batch_transfer"]:
+        batch = hooks.module_hook("on_after_batch_transfer", batch, dataloader_idx)
+    return batch
+
+
+# ---------------------------------------------------------------------------------- fit
+def run_fit(lt, runner) -> None:
+    hooks = lt._hooks
+    state = lt.fit_loop
+    epoch_loop = state.epoch_loop
+    engine = runner._engine
+    hooks("on_fit_start")
+    if lt._num_sanity_batches() > 0 and not lt._resumed:
+        lt.sanity_checking = True
+        hooks.callbacks_only("on_sanity_check_start")
+        # as in Lightning, the sanity check leaves the random state as it found it, so the
+        # training data order does not depend on whether it ran
+        with isolate_rng():
+            run_evaluation(lt, runner, "validate", sanity=True)
+        hooks.callbacks_only("on_sanity_check_end")
+        lt.sanity_checking = False
+    lt.training = True
+    lt.lightning_module.train()
+    hooks("on_train_start")
+    k = lt.accumulate_grad_batches
+    max_steps = lt.max_steps
+    while not _fit_done(lt):
+        epoch = lt.current_epoch
+        loader = lt._train_loader
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        num_batches = lt.num_training_batches
+        results = lt._train_results
+        results.reset()
+        epoch_loop.batch_progress.current.ready = 0
+        epoch_loop.batch_progress.is_last_batch = False
+        state.epoch_progress.current.ready += 1
+        hooks("on_train_epoch_start")
+        first = state.resume_batch
+        state.resume_batch = 0
+        for batch_idx, batch in enumerate(loader):
+            if batch_idx >= num_batches:
+                break
+            if batch_idx < first:
+                continue  # a mid-epoch resume passes over the batches already trained on
+            last = batch_idx + 1 == num_batches
+            batch = transfer(lt, batch)
+            epoch_loop.batch_idx = runner.batch_idx = batch_idx
+            epoch_loop.batch_progress.current.ready = batch_idx + 1
+            epoch_loop.batch_progress.total.ready += 1
+            epoch_loop.total_batch_idx = epoch_loop.batch_progress.total.ready - 1
+            epoch_loop.batch_progress.is_last_batch = last
+            results.start_batch(batch)
+            if hooks("on_train_batch_start", batch, batch_idx) == -1:
+                epoch_loop.batch_progress.is_last_batch = True
+                break
+            update = (batch_idx + 1) % k == 0 or last
+            runner.window_start = batch_idx % k == 0
+            if lt.lightning_module.automatic_optimization:
+                batch_output = engine.train_step(batch, update)
+                if update:
+                    lt._global_step += 1
+                    runner._num_updates += 1
+                output = batch_output["output"]
+                loss = batch_output["loss"].detach() / k if k > 1 else batch_output["loss"].detach()
+                outputs = {"loss": loss}
+                if isinstance(output, dict):
+                    outputs.update({key: value for key, value in output.items() if key != "loss"})
+                if update:
+                    lt._step_schedulers("step", batch_idx)
+                if last:
+                    lt._step_schedulers("epoch", batch_idx)
+            else:
+                outputs = lt._manual_step(batch, batch_idx)
+                update = True
+            hooks("on_train_batch_end", outputs, batch, batch_idx)
+            if update:
+                lt._log_step_metrics()
+            if _should_validate(lt, batch_idx, last):
+                if update:
+                    hooks.module_hook("on_validation_model_zero_grad")
+                lt._logger_connector.absorb(results, on_step=True)
+                run_evaluation(lt, runner, "validate")
+                lt.training = True
+            if update:
+                lt._step_schedulers("step", batch_idx, plateau=True)
+                epoch_loop._batches_that_stepped += 1
+            if (max_steps != -1 and lt.global_step >= max_steps) or lt.should_stop:
+                break
+        state.epoch_progress.current.processed += 1
+        lt._epoch_end_metrics_ready()
+        hooks.callbacks_only("on_train_epoch_end", monitoring=False)
+        hooks.module_hook("on_train_epoch_end")
+        hooks.callbacks_only("on_train_epoch_end", monitoring=True)
+        lt._collect_epoch_metrics(results)
+        lt._step_schedulers("epoch", 0, plateau=True)
+        epoch_loop._batches_that_stepped -= 1  # loggers get epoch metrics at the epoch's last step
+        lt._log_epoch_metrics(results)
+        epoch_loop._batches_that_stepped += 1
+        results.reset()
+        state.epoch_progress.current.completed += 1
+    hooks("on_train_end")
+
+
+def _fit_done(lt) -> bool:
+    if lt.num_training_batches == 0:
+        return True
+    if lt.max_steps != -1 and lt.global_step >= lt.max_steps:
+        return True
+    if lt.max_epochs != -1 and lt.fit_loop.epoch_progress.current.processed >= lt.max_epochs:
+        return True
+    return bool(lt.should_stop)
+
+
+def _should_validate(lt, batch_idx: int, last: bool) -> bool:
+    if not lt.enable_validation:
+        return False
+    every = lt.check_val_every_n_epoch
+    if every is not None and (lt.current_epoch + 1) % every != 0:
+        return False
+    if lt.should_stop:
+        return True
+    interval = lt.val_check_batch
+    index = lt.fit_loop.epoch_loop.total_batch_idx if every is None else batch_idx
+    return (index + 1) % interval == 0 or (last and interval >= lt.num_training_batches)
+
+
+# ---------------------------------------------------------------------------------- evaluation
+def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
+    """One validation or test run over every loader of ``stage``; returns Lightning's list of
+    logged epoch metrics (one dict per loader)."""
+    hooks = lt._hooks
+    module = lt.lightning_module
+    testing = stage == "test"
+    prefix = "test" if testing else "validation"
+    loaders = lt._test_loaders if testing else lt._val_loaders
+    limit = lt.limit_test_batches if testing else lt.limit_val_batches
+    was_training = lt.training
+    lt.training = False
+    lt.testing, lt.validating = testing, not testing
+    results = lt._test_results if testing else lt._val_results
+    lt._active_eval_results = results
+    results.reset()
+    lt._eval_step_name = "test_step" if testing else "validation_step"
+    mode = [m.training for m in module.modules()]
+    hooks.module_hook(f"on_{prefix}_model_eval")
+    hooks(f"on_{prefix}_start")
+    hooks(f"on_{prefix}_epoch_start")
+    engine = runner._engine
+    several = len(loaders) > 1
+    logged = []
+    with torch.no_grad():
+        for loader_idx, loader in enumerate(loaders):
+            count = limited_batches(limit, len(loader))
+            if sanity:
+                count = lt._num_sanity_batches(loader)
+            lt._eval_dataloader_idx = loader_idx if several else None
+            extra = (loader_idx,) if several else ()
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= count:
+                    break
+                batch = transfer(lt, batch, loader_idx)
+                runner.batch_idx = batch_idx
+                results.start_batch(batch, loader_idx if several else None)
+                hooks(f"on_{prefix}_batch_start", batch, batch_idx, *extra)
+                output = engine.eval_step(batch)
+                hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
+            if several:
+                logged.append(lt._eval_loader_metrics(results, loader_idx))
+    lt._eval_dataloader_idx = None
+    results.dataloader_idx = None
+    lt._logger_connector.eval_epoch_ended = not sanity
+    hooks(f"on_{prefix}_epoch_end")
+    if not sanity:
+        logged = lt._finish_evaluation(results, logged, several, len(loaders))
+    hooks(f"on_{prefix}_end")
+    lt._logger_connector.eval_epoch_ended = False
+    results.reset()
+    lt._active_eval_results = None
+    if module_hook_overridden(module, f"on_{prefix}_model_train"):
+        hooks.module_hook(f"on_{prefix}_model_train")
+    else:
+        for m, training in zip(module.modules(), mode):
+            m.training = training
+    lt.training = was_training
+    lt.testing = lt.validating = False
+    if lt.state.fn == "fit":
+        lt.fit_loop.epoch_loop.val_loop._has_run = True
+    return logged
+
+
+def module_hook_overridden(module, name: str) -> bool:
+    from fasttrain.lightning.hooks import module_overrides
+
+    return module_overrides(module, name)
+
+
+def run_predict(lt, runner, loaders) -> list:
+    hooks = lt._hooks
+    module = lt.lightning_module
+    mode = [m.training for m in module.modules()]
+    lt.training = False
+    lt.predicting = True
+    hooks.module_hook("on_predict_model_eval")
+    hooks("on_predict_start")
+    hooks("on_predict_epoch_start")
+    several = len(loaders) > 1
+    all_predictions = []
+    with torch.no_grad():
+        for loader_idx, loader in enumerate(loaders):
+            count = limited_batches(lt.limit_predict_batches, len(loader))
+            extra = (loader_idx,) if several else ()
+            predictions = []
+            for batch_idx, batch in enumerate(loader):
+                if batch_idx >= count:
+                    break
+                batch = transfer(lt, batch, loader_idx)
+                hooks("on_predict_batch_start", batch, batch_idx, *extra)
+                module._current_fx_name = "predict_step"
+                output = runner.model("predict_step", batch, batch_idx, *extra)
+                module._current_fx_name = None
+                hooks("on_predict_batch_end", output, batch, batch_idx, *extra)
+                predictions.append(output)
+            all_predictions.append(predictions)
+    hooks("on_predict_epoch_end")
+    hooks("on_predict_end")
+    for m, training in zip(module.modules(), mode):
+        m.training = training
+    lt.predicting = False
+    return all_predictions if several else all_predictions[0]

@@ -1,0 +1,248 @@
+"""Where ``self.log`` values live: on the device, until a flush or an epoch end reads them.
+
+``LightningModule.log`` hands every value to ``trainer._results.log(...)``. This store keeps, per
+``(hook, name)``, the latest step value and the epoch accumulator as device tensors, with the
+reductions and names of Lightning's result collection: an epoch mean is ``sum(v * batch_size) /
+sum(batch_size)``, ``max``/``min`` are element-wise, ``sum`` adds; a value logged both on step and
+on epoch is reported as ``name_step`` and ``name_epoch``. Logging never reads a device value on the
+host, and the store is plain Python, so a ``training_step`` that logs can be traced whole by
+``torch.compile``. torchmetrics objects are kept as they are: their step value is the metric's
+forward cache, their epoch value ``compute()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+REDUCTIONS = ("mean", "max", "min", "sum")
+_REDUCE_ALIASES = {
+    torch.mean: "mean",
+    torch.max: "max",
+    torch.min: "min",
+    torch.sum: "sum",
+    "avg": "mean",
+    "maximum": "max",
+    "minimum": "min",
+}
+
+
+def reduction_name(reduce_fx) -> str:
+    """Lightning's accepted spellings of ``reduce_fx`` as one of :data:`REDUCTIONS`."""
+    name = _REDUCE_ALIASES.get(reduce_fx, reduce_fx)
+    if name not in REDUCTIONS:
+        raise ValueError(
+            f"self.log(..., reduce_fx={reduce_fx!r}) is not supported; use one of "
+            f"{', '.join(map(repr, REDUCTIONS))} (or torch.mean/max/min/sum), or log a torchmetrics "
+            "Metric for any other reduction."
+        )
+    return name
+
+
+def extract_batch_size(batch) -> Optional[int]:
+    """The size of the first dimension of the first tensor found in ``batch`` (Lightning's rule
+    for the weights of epoch means); ``None`` when the batch holds no tensor."""
+    if isinstance(batch, torch.Tensor):
+        return 1 if batch.ndim == 0 else batch.size(0)
+    if isinstance(batch, (str, bytes)):
+        return len(batch)
+    if isinstance(batch, Mapping):
+        batch = batch.values()
+    if isinstance(batch, (list, tuple)) or hasattr(batch, "__iter__") and not isinstance(batch, Mapping):
+        try:
+            items = list(batch)
+        except TypeError:
+            return None
+        for item in items:
+            size = extract_batch_size(item)
+            if size is not None:
+                return size
+    return None
+
+
+class LoggedValue:
+    """One logged key of one hook: its options, latest step value and epoch accumulator."""
+
+    __slots__ = (
+        "fx", "name", "on_step", "on_epoch", "reduce", "prog_bar", "logger", "enable_graph",
+        "sync", "metric", "step_value", "total", "count", "has_value", "_computed",
+    )
+
+    def __init__(self, fx, name, *, on_step, on_epoch, reduce, prog_bar, logger, enable_graph, sync, metric):
+        self.fx, self.name = fx, name
+        self.on_step, self.on_epoch, self.reduce = on_step, on_epoch, reduce
+        self.prog_bar, self.logger, self.enable_graph = prog_bar, logger, enable_graph
+        self.sync: Optional[Callable] = sync  # reduces a tensor over processes (sync_dist=True)
+        self.metric = metric  # a torchmetrics Metric, or None for tensors
+        self.step_value: Optional[torch.Tensor] = None
+        self.total: Optional[torch.Tensor] = None
+        self.count = 0  # a host int: batch sizes are host values, adding them costs no sync
+        self.has_value = False
+        self._computed: Optional[torch.Tensor] = None
+
+    def options(self) -> tuple:
+        return (self.on_step, self.on_epoch, self.reduce, self.prog_bar, self.logger, self.enable_graph,
+                self.sync is not None, self.metric is not None)
+
+    def update(self, value, batch_size: int) -> None:
+        self.has_value = True
+        self._computed = None
+        if self.metric is not None:
+            self.metric = value
+            self.step_value = value._forward_cache
+            return
+        if not (value.dtype == torch.float32 or value.dtype == torch.float64):
+            # Lightning keeps logged values in the default float dtype so means stay exact
+            value = value.to(torch.get_default_dtype())
+        if self.on_step:
+            self.step_value = self.sync(value, self.reduce) if self.sync is not None else value
+            if not self.on_epoch:
+                return
+        reduce = self.reduce
+        if self.total is None:
+            self.total = value * batch_size if reduce == "mean" else value
+        elif reduce == "mean":
+            self.total = self.total + value * batch_size
+        elif reduce == "sum":
+            self.total = self.total + value
+        elif reduce == "max":
+            self.total = torch.maximum(self.total, value)
+        else:
+            self.total = torch.minimum(self.total, value)
+        if reduce == "mean":
+            self.count += batch_size
+
+    def epoch_value(self) -> Optional[torch.Tensor]:
+        """The epoch reduction (cached until the next update); a collective when ``sync_dist``."""
+        if self._computed is not None:
+            return self._computed
+        if self.metric is not None:
+            value = self.metric.compute()
+        elif self.total is None:
+            return None
+        else:
+            value = self.total
+            count = self.count
+            if self.sync is not None:
+                # a mean is the ratio of two sums over all processes
+                value = self.sync(value.clone(), "sum" if self.reduce == "mean" else self.reduce)
+                if self.reduce == "mean":
+                    count = self.sync(torch.tensor(float(count), device=value.device), "sum")
+            value = value / count if self.reduce == "mean" else value
+        self._computed = value
+        return value
+
+    def reset(self) -> None:
+        self.has_value = False
+        self.step_value = self.total = self._computed = None
+        self.count = 0
+        if self.metric is not None:
+            self.metric.reset()
+
+    def names(self, on_step: bool) -> tuple:
+        if self.on_step and self.on_epoch:
+            return self.name, f"{self.name}_{'step' if on_step else 'epoch'}"
+        return self.name, self.name
+
+
+class ResultStore:
+    """The values logged in one loop (training, validation, test), as ``trainer._results``.
+
+    :param training: whether step values reach ``callback_metrics`` (Lightning gives callbacks the
+        step values of training only; evaluation values arrive at the epoch end).
+    """
+
+    def __init__(self, training: bool):
+        self.training = training
+        self.entries: Dict[str, LoggedValue] = {}
+        self.batch = None
+        self._batch_size: Optional[int] = None
+        self.dataloader_idx: Optional[int] = None
+
+    def start_batch(self, batch, dataloader_idx: Optional[int] = None) -> None:
+        self.batch = batch
+        self._batch_size = None
+        self.dataloader_idx = dataloader_idx
+
+    # the signature LightningModule.log calls
+    def log(self, fx, name, value, prog_bar=False, logger=True, on_step=False, on_epoch=True, reduce_fx="mean",
+            enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False, sync_dist_fn=None,
+            sync_dist_group=None, metric_attribute=None, rank_zero_only=False) -> None:
+        if add_dataloader_idx and self.dataloader_idx is not None:
+            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
+        key = f"{fx}.{name}"
+        is_metric = not isinstance(value, torch.Tensor)
+        sync = None
+        if sync_dist and sync_dist_fn is not None and not is_metric:
+            sync = _Sync(sync_dist_fn, sync_dist_group)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = LoggedValue(
+                fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduction_name(reduce_fx), prog_bar=prog_bar,
+                logger=logger, enable_graph=enable_graph, sync=sync, metric=value if is_metric else None,
+            )
+            self.entries[key] = entry
+        else:
+            probe = LoggedValue(
+                fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduction_name(reduce_fx), prog_bar=prog_bar,
+                logger=logger, enable_graph=enable_graph, sync=sync, metric=value if is_metric else None,
+            )
+            if probe.options() != entry.options():
+                raise ValueError(
+                    f"self.log({name!r}, ...) was called twice in {fx!r} with different options; log one "
+                    "key with the same on_step/on_epoch/reduce_fx/prog_bar/logger/sync_dist every time."
+                )
+        if batch_size is None:
+            batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
+        entry.update(value, batch_size)
+
+    def _current_batch_size(self) -> int:
+        if self._batch_size is None:
+            size = extract_batch_size(self.batch)
+            self._batch_size = 1 if size is None else size
+        return self._batch_size
+
+    def reset(self, metrics: Optional[bool] = None, fx: Optional[str] = None) -> None:
+        """Lightning's semantics: ``metrics=True`` resets torchmetrics entries only, ``False``
+        tensors only, ``None`` both; ``fx`` restricts it to one hook."""
+        for entry in self.entries.values():
+            is_tensor = entry.metric is None
+            if (metrics is None or metrics ^ is_tensor) and (fx is None or entry.fx == fx):
+                entry.reset()
+
+    def metrics(self, on_step: bool) -> Dict[str, Dict[str, Any]]:
+        """``{"callback", "log", "pbar"}`` dicts of device tensors, as Lightning builds them."""
+        out = {"callback": {}, "log": {}, "pbar": {}}
+        for entry in self.entries.values():
+            if not entry.has_value:
+                continue
+            if on_step:
+                value = entry.step_value if entry.on_step else None
+            else:
+                value = entry.epoch_value() if entry.on_epoch else None
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not entry.enable_graph:
+                value = value.detach()
+            name, forked = entry.names(on_step)
+            if entry.logger:
+                out["log"][forked] = value
+            if self.training or (entry.on_epoch and not on_step):
+                out["callback"][name] = value
+                out["callback"][forked] = value
+            if entry.prog_bar:
+                out["pbar"][forked] = value
+        return out
+
+
+class _Sync:
+    """``sync_dist=True``: reduce over processes with the strategy's ``reduce``."""
+
+    def __init__(self, fn, group):
+        self.fn, self.group = fn, group
+
+    def __call__(self, value: torch.Tensor, reduce: str = "mean") -> torch.Tensor:
+        op = {"mean": "mean", "sum": "sum", "max": "max", "min": "min"}[reduce]
+        return self.fn(value, group=self.group, reduce_op=op)

@@ -1,0 +1,155 @@
+"""The fasttrain ``Trainer`` that runs a LightningModule: its hooks call the module's.
+
+fasttrain's step engines call ``calculate_train_batch_loss`` -> ``backward_step`` -> (on update
+steps) ``_clip_gradients`` -> ``optimizer_step`` -> ``optimizer_zero_grad``. Here those run the
+module's ``training_step`` and Lightning's hooks around backward and the update, in Lightning's
+order, so an unchanged module gets the eager, compiled or CUDA-graphed step. Lightning's
+schedulers, validation cadence and logging are driven by :mod:`fasttrain.lightning.loops`, which
+replaces the epoch loop (``_run_training``) and calls the engine once per batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+
+from fasttrain.trainer import Trainer as FasttrainTrainer
+
+
+class ModuleRunner(FasttrainTrainer):
+    """A fasttrain Trainer whose hooks are a LightningModule's."""
+
+    def __init__(self, lightning_trainer, optimizer, **options):
+        self.lt = lightning_trainer
+        self.batch_idx = 0
+        self.window_start = True  # the micro-step opens an accumulation window
+        super().__init__(StepModule(lightning_trainer.lightning_module), None, optimizer, callbacks=[], **options)
+
+    # ------------------------------------------------------------------ setup
+    def _create_accelerator(self) -> Accelerator:
+        return Accelerator(mixed_precision=self.mixed_precision, cpu=self.lt._force_cpu)
+
+    def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):
+        self._train_dl_kwargs = {"batch_size": batch_size, "shuffle": False}
+        return self.train_dataset
+
+    def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: dict = None):
+        self._eval_dl_kwargs = {"batch_size": batch_size, "shuffle": False}
+        return self.eval_dataset
+
+    def prepare_for_evaluation(self, loader) -> None:
+        """fasttrain's evaluate() set-up (accelerate, engine) without its loop."""
+        self.eval_dataset = loader
+        self._train_dataloader = None
+        self._eval_dataloader = loader
+        self._prepare_model_optimizer_and_dataloaders()
+        self.run_config = self._create_run_config(
+            num_epochs=1, gradient_accumulation_steps=1, max_num_train_steps=None,
+            per_device_batch_size=1, gradient_clip_value=None,
+        )
+        self._setup_engine()
+
+    def _run_training(self):
+        from fasttrain.lightning.loops import run_fit
+
+        run_fit(self.lt, self)
+
+    # ------------------------------------------------------------------ the step, as hooks
+    def calculate_train_batch_loss(self, batch) -> dict:
+        module = self.model_module
+        module._current_fx_name = "training_step"
+        with self._accelerator.autocast():
+            output = self.model("training_step", batch, self.batch_idx)
+        module._current_fx_name = None
+        if isinstance(output, torch.Tensor):
+            loss = output
+        elif isinstance(output, dict) and "loss" in output:
+            loss = output["loss"]
+        else:
+            raise ValueError(
+                "training_step must return the loss tensor or a dict with a 'loss' key under automatic "
+                f"optimization, got {type(output).__name__}; fasttrain does not skip batches on a None "
+                "return (filter the data instead)."
+            )
+        return {"loss": loss, "output": output}
+
+    def backward_step(self, loss):
+        lt = self.lt
+        hooks = lt._hooks
+        if self.window_start and lt._own_zero_grad:
+            # Lightning clears gradients before the first backward of a window
+            optimizer = lt.optimizers[0]
+            hooks("on_before_zero_grad", optimizer)
+            hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
+        if lt._plain_backward_hooks:
+            super().backward_step(loss)
+        else:
+            lt.strategy.backward(loss, lt.optimizers[0])
+
+    def _clip_gradients(self):
+        lt = self.lt
+        if lt._module_steps:
+            return None  # the module's optimizer_step runs the closure, hooks and clipping itself
+        if self._accelerator.scaler is not None:
+            # fp16: gradients are scaled until the optimizer step; hooks and clipping see true values
+            self._accelerator.unscale_gradients()
+        if lt._before_step_hooks:
+            lt._hooks("on_before_optimizer_step", lt.optimizers[0])
+        if lt._custom_clipping:
+            lt._hooks.module_hook(
+                "configure_gradient_clipping", lt.optimizers[0], lt.gradient_clip_val, lt.gradient_clip_algorithm
+            )
+            return None
+        guard = self._nonfinite
+        if not guard.checks_gradients and (self._clipper is None or not self._clipper.enabled):
+            return None
+        return guard.clip(self._clipper)
+
+    def optimizer_step(self):
+        lt = self.lt
+        if lt._module_steps:
+            lt._hooks.module_hook(
+                "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0],
+                _done_closure,
+            )
+            return
+        super().optimizer_step()
+
+    def optimizer_zero_grad(self):
+        if not self.lt._own_zero_grad:
+            super().optimizer_zero_grad()
+
+    def calculate_eval_batch_loss(self, batch) -> dict:
+        module = self.model_module
+        lt = self.lt
+        name = lt._eval_step_name
+        module._current_fx_name = name
+        with self._accelerator.autocast():
+            if lt._eval_dataloader_idx is None:
+                output = self.model(name, batch, self.batch_idx)
+            else:
+                output = self.model(name, batch, self.batch_idx, lt._eval_dataloader_idx)
+        module._current_fx_name = None
+        return output
+
+    @property
+    def model_module(self):
+        return self.lt.lightning_module
+
+
+def _done_closure():
+    # the training step and backward already ran in the engine before the update
+    return None
+
+
+class StepModule(torch.nn.Module):
+    """The module accelerate prepares: its forward runs one of the LightningModule's step
+    methods, so that a DDP (or FSDP) wrapper sees the whole step as its forward, synchronises
+    gradients, and the parameters are the module's own."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, step_name: str, *args):
+        return getattr(self.module, step_name)(*args)
