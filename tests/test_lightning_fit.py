@@ -1,0 +1,143 @@
+"""fit() with automatic optimization: fasttrain.lightning.Trainer against lightning.Trainer on the
+same module, seed and data order (final weights to 1e-6, global_step, callback and logged metrics
+to 1e-5)."""
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+
+from fasttrain.lightning import Trainer  # noqa: E402
+from lightning_modules import (  # noqa: E402
+    Classifier,
+    EpochScheduled,
+    MetricsModule,
+    PlateauScheduled,
+    ScheduledClassifier,
+    TinyGPT,
+    assert_same_metrics,
+    assert_same_weights,
+    classification_data,
+    fit_both,
+    loader,
+    token_data,
+)
+
+DATA = classification_data()
+VAL = classification_data(n=20, seed=1)
+
+
+def train_loader():
+    return loader(DATA, batch_size=8, shuffle=True)
+
+
+def val_loader():
+    return loader(VAL, batch_size=6)
+
+
+def check_same(lt, lm, ft, fm):
+    assert ft.global_step == lt.global_step
+    assert ft.current_epoch == lt.current_epoch
+    assert_same_weights(lm, fm)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics)
+
+
+def test_classifier_with_validation_matches_lightning():
+    lt, lm, ft, fm = fit_both(Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=2))
+    check_same(lt, lm, ft, fm)
+    assert ft.global_step == 12
+    assert {"train_loss_step", "train_loss_epoch", "val_loss", "val_acc"} <= set(ft.callback_metrics)
+    # values stay on the device; the host sees them only when someone reads them
+    assert all(isinstance(v, torch.Tensor) for v in ft.callback_metrics.values())
+
+
+def test_tiny_gpt_per_step_scheduler_dict_with_frequency_and_max_steps():
+    def tokens():
+        return loader(token_data(), batch_size=4, shuffle=True)
+
+    lt, lm, ft, fm = fit_both(TinyGPT, tokens, trainer_kwargs=dict(max_steps=11, max_epochs=5))
+    check_same(lt, lm, ft, fm)
+    assert ft.global_step == 11
+    torch.testing.assert_close(
+        torch.tensor(ft.optimizers[0].param_groups[0]["lr"]), torch.tensor(lt.optimizers[0].param_groups[0]["lr"])
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_accumulation_and_clipping(algorithm):
+    kwargs = dict(max_epochs=2, accumulate_grad_batches=4, gradient_clip_val=0.05, gradient_clip_algorithm=algorithm)
+    # 6 batches per epoch: a full window of 4, then a last window of 2 that steps at the epoch end
+    lt, lm, ft, fm = fit_both(ScheduledClassifier, train_loader, trainer_kwargs=kwargs)
+    check_same(lt, lm, ft, fm)
+    assert ft.global_step == 4
+
+
+def test_limits_and_validation_cadence():
+    kwargs = dict(max_epochs=3, limit_train_batches=5, limit_val_batches=2, val_check_interval=2,
+                  check_val_every_n_epoch=1, num_sanity_val_steps=1)
+    lt, lm, ft, fm = fit_both(Classifier, train_loader, val_loader, trainer_kwargs=kwargs)
+    check_same(lt, lm, ft, fm)
+    assert ft.global_step == 15
+
+
+def test_every_second_epoch_validation_and_epoch_scheduler():
+    kwargs = dict(max_epochs=4, check_val_every_n_epoch=2, limit_train_batches=0.5)
+    lt, lm, ft, fm = fit_both(EpochScheduled, train_loader, val_loader, trainer_kwargs=kwargs)
+    check_same(lt, lm, ft, fm)
+    assert ft.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+
+
+def test_plateau_scheduler_monitors_validation_metric():
+    lt, lm, ft, fm = fit_both(PlateauScheduled, train_loader, val_loader, trainer_kwargs=dict(max_epochs=4))
+    check_same(lt, lm, ft, fm)
+    assert ft.optimizers[0].param_groups[0]["lr"] == lt.optimizers[0].param_groups[0]["lr"]
+
+
+def test_torchmetrics_sum_reduction_and_explicit_batch_size():
+    lt, lm, ft, fm = fit_both(MetricsModule, train_loader, val_loader, trainer_kwargs=dict(max_epochs=2))
+    check_same(lt, lm, ft, fm)
+    assert {"train_acc_step", "train_acc_epoch", "loss_sum", "explicit", "val_acc"} <= set(ft.callback_metrics)
+
+
+def test_no_host_sync_per_step(sync_counter):
+    """Logging on step and epoch costs no device-to-host read per step: the reads are the epoch
+    ends' only (here with no loggers, none at all during the epochs' steps)."""
+    class SGDClassifier(Classifier):
+        # torch's Adam reads its host-side step counter with .item(); SGD reads nothing
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    counts = []
+    for epochs in (1, 3):
+        trainer = Trainer(max_epochs=epochs, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                          enable_checkpointing=False)
+        sync_counter["n"] = 0
+        trainer.fit(SGDClassifier(), loader(classification_data(n=96), batch_size=8, shuffle=True))
+        counts.append(sync_counter["n"])
+    # 12 steps per epoch: two more epochs may cost a constant per epoch (the DataLoader draws
+    # its seed and shuffle with a few reads), never one per step
+    assert counts[1] - counts[0] <= 2 * 4
+
+
+def test_unknown_and_unsupported_arguments_are_named():
+    with pytest.raises(TypeError, match="max_epoch"):
+        Trainer(max_epoch=3)
+    with pytest.raises(TypeError, match="fast_dev_run"):
+        Trainer(fast_dev_run=True)
+    with pytest.raises(ValueError, match="precision"):
+        Trainer(precision="64-true")
+    with pytest.raises(ValueError, match="gradient_clip_algorithm"):
+        Trainer(gradient_clip_algorithm="l1")
+
+
+def test_training_step_without_loss_is_a_clear_error():
+    class NoLoss(Classifier):
+        def training_step(self, batch, batch_idx):
+            return {"logits": self(batch[0])}
+
+    trainer = Trainer(max_epochs=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                      enable_checkpointing=False)
+    with pytest.raises(ValueError, match="'loss'"):
+        trainer.fit(NoLoss(), train_loader())
