@@ -110,7 +110,10 @@ def run_fit(lt, runner) -> None:
             update = (batch_idx + 1) % k == 0 or last
             runner.window_start = batch_idx % k == 0
             if lt.lightning_module.automatic_optimization:
-                batch_output = engine.train_step(batch, update)
+                if update and lt._module_steps:
+                    batch_output = runner.closure_step(batch)
+                else:
+                    batch_output = engine.train_step(batch, update)
                 if update:
                     lt._global_step += 1
                     runner._num_updates += 1

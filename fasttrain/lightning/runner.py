@@ -86,10 +86,32 @@ class ModuleRunner(FasttrainTrainer):
         else:
             lt.strategy.backward(loss, lt.optimizers[0])
 
+    def closure_step(self, batch) -> dict:
+        """A stepping batch when the module overrides ``optimizer_step``: as in Lightning, the
+        hook runs first and its closure runs the training step and backward (so closure-based
+        optimizers such as LBFGS work too). Runs eagerly."""
+        lt = self.lt
+        result = {}
+
+        def closure():
+            batch_output = self.calculate_train_batch_loss(batch)
+            self.backward_step(self._loss_for_backward(batch_output))
+            result["output"] = batch_output
+            return batch_output["loss"]
+
+        lt._hooks.module_hook(
+            "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0], closure
+        )
+        if "output" not in result:
+            raise RuntimeError(
+                "optimizer_step was overridden but did not call optimizer.step(closure=optimizer_closure); "
+                "the training step of this batch never ran"
+            )
+        self.optimizer_zero_grad()
+        return result["output"]
+
     def _clip_gradients(self):
         lt = self.lt
-        if lt._module_steps:
-            return None  # the module's optimizer_step runs the closure, hooks and clipping itself
         if self._accelerator.scaler is not None:
             # fp16: gradients are scaled until the optimizer step; hooks and clipping see true values
             self._accelerator.unscale_gradients()
@@ -104,16 +126,6 @@ class ModuleRunner(FasttrainTrainer):
         if not guard.checks_gradients and (self._clipper is None or not self._clipper.enabled):
             return None
         return guard.clip(self._clipper)
-
-    def optimizer_step(self):
-        lt = self.lt
-        if lt._module_steps:
-            lt._hooks.module_hook(
-                "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0],
-                _done_closure,
-            )
-            return
-        super().optimizer_step()
 
     def optimizer_zero_grad(self):
         if not self.lt._own_zero_grad:
@@ -135,11 +147,6 @@ class ModuleRunner(FasttrainTrainer):
     @property
     def model_module(self):
         return self.lt.lightning_module
-
-
-def _done_closure():
-    # the training step and backward already ran in the engine before the update
-    return None
 
 
 class StepModule(torch.nn.Module):

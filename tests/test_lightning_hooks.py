@@ -1,0 +1,77 @@
+"""Hook order: every hook a module or a callback overrides is called in Lightning's order."""
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_modules import Classifier, classification_data, fit_both, loader  # noqa: E402
+
+MODULE_HOOKS = [
+    "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "setup", "teardown", "configure_model",
+    "on_train_epoch_start", "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end",
+    "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
+    "on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward", "on_after_backward",
+    "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step", "lr_scheduler_step",
+    "on_validation_start", "on_validation_end", "on_validation_epoch_start", "on_validation_epoch_end",
+    "on_validation_batch_start", "on_validation_batch_end", "on_validation_model_eval",
+    "on_validation_model_train", "on_validation_model_zero_grad", "on_save_checkpoint",
+]
+CALLBACK_HOOKS = [
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_sanity_check_start", "on_sanity_check_end",
+    "on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end", "on_train_batch_start",
+    "on_train_batch_end", "on_validation_start", "on_validation_end", "on_validation_epoch_start",
+    "on_validation_epoch_end", "on_validation_batch_start", "on_validation_batch_end",
+    "on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+]
+
+
+def _recording(cls, hooks, prefix, calls):
+    def make(name):
+        base = getattr(cls, name)
+
+        def hook(self, *args, **kwargs):
+            calls.append(f"{prefix}.{name}")
+            return base(self, *args, **kwargs)
+
+        return hook
+
+    return type(f"Recording{cls.__name__}", (cls,), {name: make(name) for name in hooks})
+
+
+def test_fit_hook_order_matches_lightning(tmp_path):
+    calls = []
+
+    class Scheduled(Classifier):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+                                                       "interval": "step"}}
+
+    module_cls = _recording(Scheduled, MODULE_HOOKS, "module", calls)
+    callback_cls = _recording(L.Callback, CALLBACK_HOOKS, "callback", calls)
+    runs = []
+
+    def factory():
+        return module_cls()
+
+    def train():
+        calls.clear()
+        return loader(classification_data(n=20), batch_size=4)
+
+    def val():
+        return loader(classification_data(n=8, seed=1), batch_size=4)
+
+    class Collect(L.Callback):
+        def on_fit_end(self, trainer, module):
+            runs.append(list(calls))
+
+    kwargs = dict(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=1.0, limit_val_batches=1,
+                  num_sanity_val_steps=1, callbacks=[callback_cls(), Collect()])
+    results = fit_both(factory, train, val, trainer_kwargs=kwargs)
+    lightning_calls, fasttrain_calls = runs
+    assert len(fasttrain_calls) > 100
+    assert fasttrain_calls == lightning_calls
+    assert results[0].global_step == results[2].global_step == 6
