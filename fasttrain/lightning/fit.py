@@ -51,7 +51,7 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     lt._batch_hooks = {name: module_overrides(model, name) for name in _BATCH_HOOKS}
 
 
-def _setup_hooks(lt, stage: str) -> None:
+def _setup_hooks(lt, stage) -> None:
     hooks = lt._hooks
     dm = lt.datamodule
     if dm is not None:
@@ -139,7 +139,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
     _attach(lt, model, datamodule, TrainerFn.FITTING)
     module = lt.lightning_module
     lt.training = True
-    _setup_hooks(lt, "fit")
+    _setup_hooks(lt, TrainerFn.FITTING)
     train_loader = _loader(lt, train_dataloaders, "train_dataloader")
     if train_loader is None:
         raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
@@ -199,7 +199,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
         lt.training = False
         if not failed:
             hooks("on_fit_end")
-        _teardown(lt, "fit", failed)
+        _teardown(lt, TrainerFn.FITTING, failed)
 
 
 def _check_manual(lt) -> None:
@@ -225,7 +225,7 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
     step = "test_step" if stage == "test" else "validation_step"
     if not module_overrides(lt.lightning_module, step):
         raise ValueError(f"{stage}() needs the module to define {step}()")
-    _setup_hooks(lt, stage)
+    _setup_hooks(lt, fn)
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
     loaders = _as_list(_loader(lt, dataloaders, hook))
     if not loaders:
@@ -244,7 +244,7 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
         results = run_evaluation(lt, runner, stage)
         failed = False
     finally:
-        _teardown(lt, stage, failed)
+        _teardown(lt, fn, failed)
     return results
 
 
@@ -252,7 +252,7 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
-    _setup_hooks(lt, "predict")
+    _setup_hooks(lt, TrainerFn.PREDICTING)
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
@@ -266,5 +266,5 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
         predictions = run_predict(lt, runner, loaders)
         failed = False
     finally:
-        _teardown(lt, "predict", failed)
+        _teardown(lt, TrainerFn.PREDICTING, failed)
     return None if return_predictions is False else predictions
