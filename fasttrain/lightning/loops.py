@@ -114,6 +114,8 @@ def run_fit(lt, runner) -> None:
                     batch_output = runner.closure_step(batch)
                 else:
                     batch_output = engine.train_step(batch, update)
+                    if results.pending:
+                        results.drain()
                 if update:
                     lt._global_step += 1
                     runner._num_updates += 1
@@ -220,6 +222,8 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
                 results.start_batch(batch, loader_idx if several else None)
                 hooks(f"on_{prefix}_batch_start", batch, batch_idx, *extra)
                 output = engine.eval_step(batch)
+                if results.pending:
+                    results.drain()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
             if several:
                 logged.append(lt._eval_loader_metrics(results, loader_idx))

@@ -160,6 +160,7 @@ class ResultStore:
         self.batch = None
         self._batch_size: Optional[int] = None
         self.dataloader_idx: Optional[int] = None
+        self.pending: list = []
 
     def start_batch(self, batch, dataloader_idx: Optional[int] = None) -> None:
         self.batch = batch
@@ -170,6 +171,26 @@ class ResultStore:
     def log(self, fx, name, value, prog_bar=False, logger=True, on_step=False, on_epoch=True, reduce_fx="mean",
             enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False, sync_dist_fn=None,
             sync_dist_group=None, metric_attribute=None, rank_zero_only=False) -> None:
+        args = (fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
+                batch_size, sync_dist, sync_dist_fn, sync_dist_group)
+        if torch.compiler.is_compiling():
+            # Inside a compiled step, only record the call: dynamo replays the append after the
+            # graph with the logged tensors as graph outputs, and nothing here reads the store's
+            # changing host state (counts, which keys exist), which would be guarded on and
+            # recompile the step every time it changes. :meth:`drain` files the values eagerly.
+            self.pending.append(args)
+            return
+        self._log(*args)
+
+    def drain(self) -> None:
+        """File the values recorded inside a compiled step."""
+        pending = self.pending
+        for args in pending:
+            self._log(*args)
+        pending.clear()
+
+    def _log(self, fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
+             add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group) -> None:
         if add_dataloader_idx and self.dataloader_idx is not None:
             name = f"{name}/dataloader_idx_{self.dataloader_idx}"
         key = f"{fx}.{name}"

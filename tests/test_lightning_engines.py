@@ -1,0 +1,88 @@
+"""The compiled engine on an unchanged LightningModule, and the move to the eager engine of a
+module whose hooks run host code inside the update."""
+
+import warnings
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+from fasttrain.lightning import Trainer  # noqa: E402
+from lightning_modules import (  # noqa: E402
+    QUIET,
+    Classifier,
+    assert_same_metrics,
+    assert_same_weights,
+    classification_data,
+    fit_both,
+    loader,
+)
+
+DATA = classification_data()
+
+
+def train_loader():
+    return loader(DATA, batch_size=8, shuffle=True)
+
+
+def val_loader():
+    return loader(classification_data(n=16, seed=1), batch_size=8)
+
+
+class _GraphCount(L.Callback):
+    def __init__(self):
+        self.per_epoch = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.per_epoch.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def test_compiled_engine_matches_lightning_and_stops_compiling_after_the_first_epoch():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    count = _GraphCount()
+    lt, lm, ft, fm = fit_both(
+        Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=3, callbacks=[count]),
+        fasttrain_kwargs=dict(engine="compiled"),
+    )
+    assert ft.engine == "compiled"  # self.log inside training_step traced: no fallback
+    assert ft.global_step == lt.global_step == 18
+    assert_same_weights(lm, fm)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics)
+    # Lightning's run adds no graphs; fasttrain's compiles in its first epoch only
+    graphs = count.per_epoch[3:]
+    assert graphs[0] > 0 and graphs[-1] == graphs[0]
+
+
+class HostSideStep(Classifier):
+    """Counts its optimizer steps in a Python int: host code the compiled update cannot replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.host_steps = 0
+
+    def on_before_optimizer_step(self, optimizer):
+        self.host_steps += 1
+
+
+def test_host_side_update_hook_moves_the_module_to_the_eager_engine_with_one_warning():
+    torch.manual_seed(0)
+    reference = HostSideStep()
+    module = HostSideStep()
+    module.load_state_dict(reference.state_dict())
+    torch.manual_seed(1)
+    L.Trainer(max_epochs=2, **QUIET).fit(reference, train_loader())
+    trainer = Trainer(max_epochs=2, engine="compiled", **QUIET)
+    torch.manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_loader())
+    ours = [w for w in caught if "fasttrain" in str(w.message)]
+    assert len(ours) == 1 and "on_before_optimizer_step" in str(ours[0].message)
+    assert trainer.engine == "eager"
+    assert module.host_steps == reference.host_steps == 12
+    assert_same_weights(reference, module)
