@@ -228,6 +228,10 @@ class Trainer:
         return loaders[0] if len(loaders) == 1 else (loaders or None)
 
     @property
+    def is_last_batch(self) -> bool:
+        return bool(self.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+    @property
     def interrupted(self) -> bool:
         return self.state.status == TrainerStatus.INTERRUPTED
 
