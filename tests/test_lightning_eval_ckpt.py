@@ -3,9 +3,13 @@ checkpoints read and written both ways."""
 
 import csv
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

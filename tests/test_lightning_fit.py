@@ -2,9 +2,13 @@
 same module, seed and data order (final weights to 1e-6, global_step, callback and logged metrics
 to 1e-5)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import torch  # noqa: E402
 

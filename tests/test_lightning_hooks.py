@@ -1,8 +1,12 @@
 """Hook order: every hook a module or a callback overrides is called in Lightning's order."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

@@ -2,9 +2,13 @@
 
 import warnings
 
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import torch  # noqa: E402
 

@@ -3,6 +3,7 @@ attaching the module, data, optimizers, the engine choice, checkpoints to resume
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -14,7 +15,7 @@ from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import limited_batches
 from fasttrain.lightning.hooks import BACKWARD_HOOKS, UPDATE_HOOKS, HookCaller, module_overrides
-from fasttrain.lightning.loops import run_evaluation, run_predict
+from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.runner import ModuleRunner
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -118,6 +119,19 @@ def _choose_engine(lt, requested: str, device) -> str:
     return target
 
 
+def _check_devices(lt, processes: int) -> None:
+    devices = lt._args.devices
+    if devices in ("auto", -1, "-1"):
+        return
+    wanted = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
+    if wanted != processes:
+        raise ValueError(
+            f"devices={devices!r} but this run has {processes} process(es): fasttrain starts no processes itself; "
+            f"launch {wanted} with `accelerate launch --num_processes {wanted}` or `torchrun --nproc_per_node "
+            f"{wanted}`, or leave devices='auto'"
+        )
+
+
 def _runner(lt, optimizer, engine: str) -> ModuleRunner:
     args = lt._args
     runner = ModuleRunner(
@@ -125,6 +139,7 @@ def _runner(lt, optimizer, engine: str) -> ModuleRunner:
         mixed_precision=args.mixed_precision, compile_options=args.compile_options, nonfinite=args.nonfinite,
         handle_signals=False,
     )
+    _check_devices(lt, runner._accelerator.num_processes)
     lt._runner = runner
     lt._device = runner.device
     lt.lightning_module.to(runner.device)
@@ -146,10 +161,13 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
     if isinstance(train_loader, (list, tuple, dict)):
         raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
     lt._train_loader = train_loader
-    lt.num_training_batches = limited_batches(lt.limit_train_batches, len(train_loader))
     lt._val_loaders = _as_list(_loader(lt, val_dataloaders, "val_dataloader")) if module_overrides(
         module, "validation_step") else []
     runner = _runner(lt, None, "eager")
+    # accelerate gives each process every world-th batch (padded to the same count), so the
+    # per-process count is known before the loaders are prepared
+    processes = runner._accelerator.num_processes
+    lt.num_training_batches = limited_batches(lt.limit_train_batches, math.ceil(len(train_loader) / processes))
     optimizers, lt.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
     lt.optimizers = optimizers
     if module.automatic_optimization and len(optimizers) != 1:
@@ -239,6 +257,8 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
         ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
     runner = _runner(lt, None, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     runner.prepare_for_evaluation(loaders[0])
+    if runner.run_config.is_distributed:
+        loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
     failed = True
     try:
         results = run_evaluation(lt, runner, stage)

@@ -55,12 +55,24 @@ def transfer(lt, batch, dataloader_idx: int = 0):
     return batch
 
 
+def prepare_eval_loader(runner, loader):
+    """An evaluation loader sharded over the processes, without padding samples (the epoch
+    means are over real samples only)."""
+    prepared = runner._accelerator.prepare(loader)
+    prepared.batch_sampler.even_batches = False
+    return prepared
+
+
 # ---------------------------------------------------------------------------------- fit
 def run_fit(lt, runner) -> None:
     hooks = lt._hooks
     state = lt.fit_loop
     epoch_loop = state.epoch_loop
     engine = runner._engine
+    if runner.run_config.is_distributed:
+        # accelerate's prepared loaders shard the batches over the processes
+        lt._train_loader = runner._train_dataloader
+        lt._val_loaders = [prepare_eval_loader(runner, dl) for dl in lt._val_loaders]
     hooks("on_fit_start")
     if lt._num_sanity_batches() > 0 and not lt._resumed:
         lt.sanity_checking = True

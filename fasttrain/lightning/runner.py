@@ -27,7 +27,12 @@ class ModuleRunner(FasttrainTrainer):
 
     # ------------------------------------------------------------------ setup
     def _create_accelerator(self) -> Accelerator:
-        return Accelerator(mixed_precision=self.mixed_precision, cpu=self.lt._force_cpu)
+        kwargs = {}
+        if self.lt._args.strategy == "fsdp":
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
+        return Accelerator(mixed_precision=self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):
         self._train_dl_kwargs = {"batch_size": batch_size, "shuffle": False}

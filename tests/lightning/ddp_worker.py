@@ -1,0 +1,50 @@
+"""Run under ``torchrun --nproc_per_node 2``: fit a LightningModule with fasttrain.lightning's
+Trainer over two gloo processes (DDP through accelerate) and save what the test compares.
+
+Usage: ddp_worker.py OUT_DIR
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lightning_modules import QUIET, Classifier, classification_data, loader  # noqa: E402
+
+from fasttrain.lightning import Trainer  # noqa: E402
+
+
+class SyncedClassifier(Classifier):
+    """Validation metrics averaged over the processes (sync_dist=True)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+
+def main(out: Path) -> None:
+    torch.manual_seed(0)
+    module = SyncedClassifier()
+    trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy="ddp", devices=2,
+                      accelerator="cpu", **QUIET)
+    # per process 4 samples a batch: the two processes together take the reference's batch of 8
+    trainer.fit(module, loader(classification_data(), batch_size=4), loader(classification_data(n=16, seed=1), 4))
+    validated = trainer.validate(module, loader(classification_data(n=16, seed=1), 4))
+    result = {
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "validated": validated,
+    }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

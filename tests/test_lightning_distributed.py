@@ -1,0 +1,63 @@
+"""Two gloo processes with DDP (through accelerate) against one lightning.Trainer process: the
+two processes' batches of 4 together are the reference's batch of 8, so the weights, the step
+count and the process-averaged validation loss must agree."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "lightning"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_modules import QUIET, assert_same_weights, classification_data, loader  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_ddp_matches_one_lightning_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(HERE / "lightning" / "ddp_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+    from ddp_worker import SyncedClassifier
+
+    torch.manual_seed(0)
+    reference = SyncedClassifier()
+    trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, **QUIET)
+    trainer.fit(reference, loader(classification_data(), batch_size=8), loader(classification_data(n=16, seed=1), 8))
+    for result in ranks:
+        assert result["world_size"] == 2
+        assert result["global_step"] == trainer.global_step == 6
+        ours = reference.__class__()
+        ours.load_state_dict(result["state_dict"])
+        assert_same_weights(reference, ours, atol=1e-6)
+        assert result["val_loss"] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1e-6)
+        assert result["validated"][0]["val_loss"] == pytest.approx(result["val_loss"], abs=1e-6)
+
+
+def test_devices_that_do_not_match_the_launch_are_an_error():
+    from fasttrain.lightning import Trainer
+
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node 2"):
+        Trainer(devices=2, max_epochs=1, **QUIET).fit(
+            __import__("lightning_modules").Classifier(), loader(classification_data(), batch_size=8)
+        )
