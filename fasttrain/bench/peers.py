@@ -319,7 +319,7 @@ class LightningPeer(Peer):
 
     def run(self, num_steps: int) -> None:
         wl = self.workload
-        trainer = self._L.Trainer(
+        trainer = self._trainer_class()(
             accelerator="gpu" if self.device.type == "cuda" else "cpu",
             devices=[self.device.index or 0] if self.device.type == "cuda" else 1,
             precision="bf16-mixed" if wl.amp_dtype else "32-true",
@@ -334,9 +334,29 @@ class LightningPeer(Peer):
         # SYNC: the clock read after run() returns must include the queued device work.
         device_sync(self.device)
 
+    def _trainer_class(self):
+        return self._L.Trainer
+
     def close(self) -> None:
         self.__dict__.pop("module", None)
         super().close()
+
+
+class FasttrainLightningPeer(LightningPeer):
+    """The same LightningModule, fitted by ``fasttrain.lightning.Trainer`` (the one changed
+    import), on the engine ``"auto"`` picks."""
+
+    name = "fasttrain-lightning"
+
+    def setup(self) -> None:
+        super().setup()
+        if self._L.__name__ != "lightning":
+            raise PeerUnavailable("fasttrain.lightning needs the lightning package (pip install fasttrain[lightning])")
+
+    def _trainer_class(self):
+        from fasttrain.lightning import Trainer
+
+        return Trainer
 
 
 PEERS: Dict[str, Callable[[Workload], Peer]] = {
@@ -345,6 +365,7 @@ PEERS: Dict[str, Callable[[Workload], Peer]] = {
     "cudagraph": CudaGraphLoop,
     "pytorch-accelerated": PyTorchAcceleratedPeer,
     "lightning": LightningPeer,
+    "fasttrain-lightning": FasttrainLightningPeer,
     "fasttrain-eager": _fasttrain_peer("eager"),
     "fasttrain-compiled": _fasttrain_peer("compiled"),
     "fasttrain-cudagraph": _fasttrain_peer("cudagraph"),

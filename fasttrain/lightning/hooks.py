@@ -20,6 +20,15 @@ UPDATE_HOOKS = ("optimizer_step", "on_before_optimizer_step", "configure_gradien
 BACKWARD_HOOKS = ("backward", "on_before_backward", "on_after_backward", "on_before_zero_grad", "optimizer_zero_grad")
 
 
+# LightningModule defaults that do something and must run when not overridden
+_ACTIVE_DEFAULTS = frozenset({
+    "setup", "teardown", "configure_model", "prepare_data", "on_validation_model_eval", "on_test_model_eval",
+    "on_predict_model_eval", "on_validation_model_train", "on_test_model_train", "on_predict_model_train",
+    "on_validation_model_zero_grad", "transfer_batch_to_device", "optimizer_zero_grad", "backward",
+    "configure_gradient_clipping", "lr_scheduler_step", "optimizer_step",
+})
+
+
 def module_overrides(module: LightningModule, name: str) -> bool:
     return getattr(type(module), name, None) is not getattr(LightningModule, name, None)
 
@@ -42,6 +51,7 @@ class HookCaller:
         self.module = module
         self.callbacks = callbacks
         self._callback_methods: Dict[str, list] = {}
+        self._module_overrides: Dict[str, bool] = {}
 
     def callback_methods(self, name: str) -> list:
         methods = self._callback_methods.get(name)
@@ -52,28 +62,36 @@ class HookCaller:
 
     def callbacks_only(self, name: str, *args, monitoring=None, **kwargs) -> None:
         module = self.module
-        previous = module._current_fx_name
+        state = module.__dict__  # nn.Module.__setattr__ costs microseconds per call on the hot path
+        previous = state.get("_current_fx_name")
         for method in self.callback_methods(name):
             if monitoring is not None and is_monitoring(method.__self__) != monitoring:
                 continue
-            module._current_fx_name = name
+            state["_current_fx_name"] = name
             method(self.trainer, module, *args, **kwargs)
-        module._current_fx_name = previous
+        state["_current_fx_name"] = previous
 
     def module_hook(self, name: str, *args, **kwargs):
         module = self.module
-        previous = module._current_fx_name
-        module._current_fx_name = name
+        state = module.__dict__
+        previous = state.get("_current_fx_name")
+        state["_current_fx_name"] = name
         try:
             return getattr(module, name)(*args, **kwargs)
         finally:
-            module._current_fx_name = previous
+            state["_current_fx_name"] = previous
 
     def __call__(self, name: str, *args, **kwargs):
-        """Callbacks, then the module; returns the module's result."""
+        """Callbacks, then the module; returns the module's result. A module hook that is not
+        overridden is LightningModule's no-op and is skipped."""
         if self.callback_methods(name):
             self.callbacks_only(name, *args, **kwargs)
-        return self.module_hook(name, *args, **kwargs)
+        overridden = self._module_overrides.get(name)
+        if overridden is None:
+            overridden = self._module_overrides[name] = module_overrides(self.module, name) or name in _ACTIVE_DEFAULTS
+        if overridden:
+            return self.module_hook(name, *args, **kwargs)
+        return None
 
     def overridden(self, name: str) -> bool:
         """Whether the module or a callback overrides ``name`` (a hook with no effect otherwise

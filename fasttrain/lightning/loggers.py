@@ -110,9 +110,13 @@ class LoggerConnector:
     def reset_metrics(self) -> None:
         self._callback_metrics, self._logged_metrics, self._progress_bar_metrics = {}, {}, {}
 
+    def flush_due(self) -> bool:
+        """Whether this stepping batch is a flush: loggers and the progress bar get host values."""
+        return self.should_update_logs
+
     def log_train_step(self) -> None:
         trainer = self.trainer
-        if not trainer.loggers or not self.should_update_logs:
+        if not trainer.loggers:
             return
         self.log_metrics(trainer._train_results.metrics(on_step=True)["log"])
 

@@ -100,6 +100,8 @@ def run_fit(lt, runner) -> None:
         epoch_loop.batch_progress.current.ready = 0
         epoch_loop.batch_progress.is_last_batch = False
         state.epoch_progress.current.ready += 1
+        progress = lt._progress
+        progress.start_epoch(epoch, num_batches)
         hooks("on_train_epoch_start")
         first = state.resume_batch
         state.resume_batch = 0
@@ -144,8 +146,9 @@ def run_fit(lt, runner) -> None:
                 outputs = lt._manual_step(batch, batch_idx)
                 update = True
             hooks("on_train_batch_end", outputs, batch, batch_idx)
-            if update:
+            if update and lt._logger_connector.flush_due():
                 lt._log_step_metrics()
+                progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
             if _should_validate(lt, batch_idx, last):
                 if update:
                     hooks.module_hook("on_validation_model_zero_grad")
@@ -158,6 +161,7 @@ def run_fit(lt, runner) -> None:
             if (max_steps != -1 and lt.global_step >= max_steps) or lt.should_stop:
                 break
         state.epoch_progress.current.processed += 1
+        progress.update(epoch_loop.batch_progress.current.ready, results.metrics(on_step=True)["pbar"])
         lt._epoch_end_metrics_ready()
         hooks.callbacks_only("on_train_epoch_end", monitoring=False)
         hooks.module_hook("on_train_epoch_end")
@@ -169,6 +173,7 @@ def run_fit(lt, runner) -> None:
         epoch_loop._batches_that_stepped += 1
         results.reset()
         state.epoch_progress.current.completed += 1
+        progress.close()
     hooks("on_train_end")
 
 

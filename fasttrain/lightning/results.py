@@ -67,7 +67,7 @@ class LoggedValue:
 
     __slots__ = (
         "fx", "name", "on_step", "on_epoch", "reduce", "prog_bar", "logger", "enable_graph",
-        "sync", "metric", "step_value", "total", "count", "has_value", "_computed",
+        "sync", "metric", "step_value", "total", "count", "has_value", "_computed", "given_options",
     )
 
     def __init__(self, fx, name, *, on_step, on_epoch, reduce, prog_bar, logger, enable_graph, sync, metric):
@@ -81,10 +81,7 @@ class LoggedValue:
         self.count = 0  # a host int: batch sizes are host values, adding them costs no sync
         self.has_value = False
         self._computed: Optional[torch.Tensor] = None
-
-    def options(self) -> tuple:
-        return (self.on_step, self.on_epoch, self.reduce, self.prog_bar, self.logger, self.enable_graph,
-                self.sync is not None, self.metric is not None)
+        self.given_options: tuple = ()
 
     def update(self, value, batch_size: int) -> None:
         self.has_value = True
@@ -199,22 +196,19 @@ class ResultStore:
         if sync_dist and sync_dist_fn is not None and not is_metric:
             sync = _Sync(sync_dist_fn, sync_dist_group)
         entry = self.entries.get(key)
+        options = (on_step, on_epoch, reduce_fx, prog_bar, logger, enable_graph, sync is not None, is_metric)
         if entry is None:
             entry = LoggedValue(
                 fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduction_name(reduce_fx), prog_bar=prog_bar,
                 logger=logger, enable_graph=enable_graph, sync=sync, metric=value if is_metric else None,
             )
+            entry.given_options = options
             self.entries[key] = entry
-        else:
-            probe = LoggedValue(
-                fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduction_name(reduce_fx), prog_bar=prog_bar,
-                logger=logger, enable_graph=enable_graph, sync=sync, metric=value if is_metric else None,
+        elif options != entry.given_options:
+            raise ValueError(
+                f"self.log({name!r}, ...) was called twice in {fx!r} with different options; log one "
+                "key with the same on_step/on_epoch/reduce_fx/prog_bar/logger/sync_dist every time."
             )
-            if probe.options() != entry.options():
-                raise ValueError(
-                    f"self.log({name!r}, ...) was called twice in {fx!r} with different options; log one "
-                    "key with the same on_step/on_epoch/reduce_fx/prog_bar/logger/sync_dist every time."
-                )
         if batch_size is None:
             batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
         entry.update(value, batch_size)

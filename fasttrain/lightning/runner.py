@@ -10,6 +10,8 @@ replaces the epoch loop (``_run_training``) and calls the engine once per batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from accelerate import Accelerator
 
@@ -61,11 +63,11 @@ class ModuleRunner(FasttrainTrainer):
 
     # ------------------------------------------------------------------ the step, as hooks
     def calculate_train_batch_loss(self, batch) -> dict:
-        module = self.model_module
-        module._current_fx_name = "training_step"
-        with self._accelerator.autocast():
+        state = self.lt.lightning_module.__dict__  # skips nn.Module.__setattr__ on the hot path
+        state["_current_fx_name"] = "training_step"
+        with self._autocast():
             output = self.model("training_step", batch, self.batch_idx)
-        module._current_fx_name = None
+        state["_current_fx_name"] = None
         if isinstance(output, torch.Tensor):
             loss = output
         elif isinstance(output, dict) and "loss" in output:
@@ -137,21 +139,23 @@ class ModuleRunner(FasttrainTrainer):
             super().optimizer_zero_grad()
 
     def calculate_eval_batch_loss(self, batch) -> dict:
-        module = self.model_module
         lt = self.lt
+        state = lt.lightning_module.__dict__
         name = lt._eval_step_name
-        module._current_fx_name = name
-        with self._accelerator.autocast():
+        state["_current_fx_name"] = name
+        with self._autocast():
             if lt._eval_dataloader_idx is None:
                 output = self.model(name, batch, self.batch_idx)
             else:
                 output = self.model(name, batch, self.batch_idx, lt._eval_dataloader_idx)
-        module._current_fx_name = None
+        state["_current_fx_name"] = None
         return output
 
-    @property
-    def model_module(self):
-        return self.lt.lightning_module
+    def _autocast(self):
+        # accelerate's autocast() builds a context per call; without mixed precision there is none
+        if self._accelerator.mixed_precision == "no":
+            return contextlib.nullcontext()
+        return self._accelerator.autocast()
 
 
 class StepModule(torch.nn.Module):

@@ -27,6 +27,7 @@ from fasttrain.lightning.arguments import limited_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, module_overrides
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers
 from fasttrain.lightning.loops import FitLoopState
+from fasttrain.lightning.progress import EpochProgress
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import Strategy
@@ -57,6 +58,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=args.deterministic == "warn")
         self.callbacks = self._build_callbacks(args)
         self.loggers = build_loggers(args.logger, self.default_root_dir)
+        self._progress = EpochProgress(args.enable_progress_bar)
         self.profiler = PassThroughProfiler()
         self.precision_plugin = Precision()
         self.strategy = Strategy(self)
@@ -313,10 +315,11 @@ class Trainer:
     def _manual_step(self, batch, batch_idx: int) -> dict:
         runner = self._runner
         module = self._module
-        module._current_fx_name = "training_step"
-        with runner._accelerator.autocast():
+        state = module.__dict__  # skips nn.Module.__setattr__ on the hot path
+        state["_current_fx_name"] = "training_step"
+        with runner._autocast():
             output = runner.model("training_step", batch, batch_idx)
-        module._current_fx_name = None
+        state["_current_fx_name"] = None
         if isinstance(output, torch.Tensor):
             return {"loss": output.detach()}
         if isinstance(output, dict):
