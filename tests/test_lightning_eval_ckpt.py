@@ -192,3 +192,29 @@ class _StopAfter(L.Callback):
     def on_train_epoch_end(self, trainer, module):
         if trainer.current_epoch + 1 >= self.epochs:
             trainer.should_stop = True
+
+
+def test_mid_epoch_checkpoint_resumes_at_the_next_batch(tmp_path):
+    """A checkpoint written by ModelCheckpoint(every_n_train_steps=4) in the middle of an epoch of
+    6 batches resumes at batch 5 of that epoch: the same weights as an uninterrupted run."""
+
+    def data():
+        return loader(DATA, batch_size=8)
+
+    torch.manual_seed(0)
+    reference = ScheduledClassifier()
+    first = ScheduledClassifier()
+    first.load_state_dict(reference.state_dict())
+    Trainer(max_epochs=2, **QUIET).fit(reference, data())
+
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    Trainer(max_epochs=2, callbacks=[every], enable_progress_bar=False, enable_model_summary=False,
+            logger=False).fit(first, data())
+    path = tmp_path / "step=4.ckpt"
+    assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"][
+        "processed"] == 4
+    resumed = ScheduledClassifier()
+    trainer = Trainer(max_epochs=2, **QUIET)
+    trainer.fit(resumed, data(), ckpt_path=path)
+    assert trainer.global_step == 12
+    assert_same_weights(reference, resumed)
