@@ -50,15 +50,15 @@ def test_compiled_engine_matches_lightning_and_stops_compiling_after_the_first_e
     torch._dynamo.utils.counters.clear()
     count = _GraphCount()
     lt, lm, ft, fm = fit_both(
-        Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=3, callbacks=[count]),
+        Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=2, callbacks=[count]),
         fasttrain_kwargs=dict(engine="compiled"),
     )
     assert ft.engine == "compiled"  # self.log inside training_step traced: no fallback
-    assert ft.global_step == lt.global_step == 18
+    assert ft.global_step == lt.global_step == 12
     assert_same_weights(lm, fm)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics)
     # Lightning's run adds no graphs; fasttrain's compiles in its first epoch only
-    graphs = count.per_epoch[3:]
+    graphs = count.per_epoch[2:]
     assert graphs[0] > 0 and graphs[-1] == graphs[0]
 
 

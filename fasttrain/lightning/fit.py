@@ -3,6 +3,7 @@ attaching the module, data, optimizers, the engine choice, checkpoints to resume
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 
@@ -49,6 +50,7 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     lt.state.status = TrainerStatus.RUNNING
     lt.should_stop = False
     lt._hooks = HookCaller(lt, model, lt.callbacks)
+    lt._eval_seen = collections.defaultdict(int)
     lt._batch_hooks = {name: module_overrides(model, name) for name in _BATCH_HOOKS}
 
 

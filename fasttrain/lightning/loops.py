@@ -242,6 +242,16 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
                 if results.pending:
                     results.drain()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
+                if not sanity:
+                    # values logged with on_step=True in an evaluation step reach logged_metrics
+                    # and the loggers per batch, at a step counting this loader's batches, as in
+                    # Lightning
+                    step_logged = results.metrics(on_step=True)["log"]
+                    key = (stage, loader_idx)
+                    if step_logged:
+                        lt._logger_connector._logged_metrics.update(step_logged)
+                        lt._logger_connector.log_metrics(step_logged, step=lt._eval_seen[key])
+                    lt._eval_seen[key] += 1
             if several:
                 logged.append(lt._eval_loader_metrics(results, loader_idx))
     lt._eval_dataloader_idx = None

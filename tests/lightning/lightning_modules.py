@@ -50,6 +50,7 @@ class Classifier(L.LightningModule):
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y))
         self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+        self.log("val_batch_loss", F.cross_entropy(logits, y), on_step=True, on_epoch=False)
 
     def test_step(self, batch, batch_idx):
         x, y = batch
