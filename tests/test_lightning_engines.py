@@ -90,3 +90,16 @@ def test_host_side_update_hook_moves_the_module_to_the_eager_engine_with_one_war
     assert trainer.engine == "eager"
     assert module.host_steps == reference.host_steps == 12
     assert_same_weights(reference, module)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cudagraph_engine_on_cuda_matches_lightning():
+    lt, lm, ft, fm = fit_both(
+        Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=2, accelerator="gpu", devices=1),
+        fasttrain_kwargs=dict(engine="cudagraph"),
+    )
+    assert ft.engine == "cudagraph"
+    assert ft.global_step == lt.global_step == 12
+    assert_same_weights(lm.cpu(), fm.cpu(), atol=1e-5)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-4)

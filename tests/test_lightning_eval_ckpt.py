@@ -153,6 +153,11 @@ def test_callbacks_checkpoints_and_early_stopping(tmp_path):
     assert ours["epoch"] == theirs["epoch"] and ours["global_step"] == theirs["global_step"]
     restored = Classifier.load_from_checkpoint(fck.best_model_path)
     assert_same_weights(Classifier.load_from_checkpoint(lck.best_model_path), restored)
+    # validate(ckpt_path="best") evaluates the best checkpoint's weights, as Lightning's does
+    best_ours = ft.validate(fm, loader(VAL, batch_size=5), ckpt_path="best")
+    best_theirs = lt.validate(lm, loader(VAL, batch_size=5), ckpt_path="best")
+    assert best_ours[0]["val_loss"] == pytest.approx(best_theirs[0]["val_loss"], abs=1e-6)
+    assert best_ours[0]["val_loss"] == pytest.approx(float(lck.best_model_score), abs=1e-6)
 
 
 @pytest.mark.parametrize("writer, reader", [("fasttrain", "lightning"), ("lightning", "fasttrain")])

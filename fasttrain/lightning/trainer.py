@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import limited_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, module_overrides
-from fasttrain.lightning.loggers import LoggerConnector, build_loggers
+from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
 from fasttrain.lightning.progress import EpochProgress
 from fasttrain.lightning.results import ResultStore
@@ -355,7 +355,8 @@ class Trainer:
         connector.log_metrics(logged)
         if not several:
             per_loader = [logged]
-        return [{k: float(v) for k, v in metrics.items()} for metrics in per_loader]
+        # SYNC(epoch-end): validate()/test() return host numbers, as Lightning's do
+        return [dict(zip(metrics, to_host(metrics).values())) for metrics in per_loader]
 
 
 class _AcceleratorConnector:
