@@ -223,3 +223,19 @@ def test_mid_epoch_checkpoint_resumes_at_the_next_batch(tmp_path):
     trainer.fit(resumed, data(), ckpt_path=path)
     assert trainer.global_step == 12
     assert_same_weights(reference, resumed)
+
+
+def test_default_arguments_write_the_same_files_as_lightning(tmp_path):
+    """With Lightning's defaults (TensorBoard logger, a ModelCheckpoint, model summary), both
+    trainers write the same files under default_root_dir."""
+
+    def run(trainer_cls):
+        root = tmp_path / trainer_cls.__module__.split(".")[0]
+        trainer = trainer_cls(max_epochs=2, default_root_dir=root, enable_progress_bar=False)
+        trainer.fit(Classifier(), loader(DATA, batch_size=8), loader(VAL, batch_size=5))
+        return sorted(str(p.relative_to(root).parent / (p.name if "tfevents" not in p.name else "events"))
+                      for p in root.rglob("*") if p.is_file())
+
+    lightning_files, fasttrain_files = _both(run)
+    assert "lightning_logs/version_0/checkpoints/epoch=1-step=12.ckpt" in fasttrain_files
+    assert fasttrain_files == lightning_files

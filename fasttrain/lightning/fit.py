@@ -9,6 +9,7 @@ import warnings
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
+from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_summary import summarize
 
@@ -195,6 +196,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
         lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
         ckpt_io.restore(lt, lt.ckpt_path)
         lt._resumed = True
+    _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
     if lt._args.enable_model_summary and lt.is_global_zero:
         print(summarize(module))
     clip_value = clip_norm = None

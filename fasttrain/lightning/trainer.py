@@ -230,6 +230,10 @@ class Trainer:
         return loaders[0] if len(loaders) == 1 else (loaders or None)
 
     @property
+    def precision(self) -> str:
+        return {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[self._args.mixed_precision]
+
+    @property
     def is_last_batch(self) -> bool:
         return bool(self.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
