@@ -145,3 +145,23 @@ def test_training_step_without_loss_is_a_clear_error():
                       enable_checkpointing=False)
     with pytest.raises(ValueError, match="'loss'"):
         trainer.fit(NoLoss(), train_loader())
+
+
+def test_val_check_interval_longer_than_an_epoch_is_an_error_naming_it():
+    trainer = Trainer(max_epochs=1, val_check_interval=50, enable_progress_bar=False, enable_model_summary=False,
+                      logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="val_check_interval=50"):
+        trainer.fit(Classifier(), train_loader(), val_loader())
+
+
+def test_module_print_and_trainer_attributes_modules_read(capsys):
+    class Printing(Classifier):
+        def on_train_epoch_end(self):
+            self.print(f"epoch {self.trainer.current_epoch} of {self.trainer.max_epochs} "
+                       f"on {self.trainer.world_size} process, precision {self.trainer.precision}")
+
+    trainer = Trainer(max_epochs=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                      enable_checkpointing=False)
+    trainer.fit(Printing(), train_loader())
+    assert "epoch 0 of 1 on 1 process, precision 32-true" in capsys.readouterr().out
+    assert trainer.estimated_stepping_batches == 6 and trainer.num_training_batches == 6

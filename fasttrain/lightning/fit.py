@@ -112,13 +112,12 @@ def _choose_engine(lt, requested: str, device) -> str:
             target = "compiled"
     if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
         return name
-    if requested != "auto":
-        warnings.warn(
-            f"fasttrain: the module overrides {', '.join(blockers)}, which runs host code the {name!r} engine "
-            f"cannot replay; this fit runs on the {target!r} engine instead.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    warnings.warn(
+        f"fasttrain: the module overrides {', '.join(blockers)}, which runs host code the {name!r} engine "
+        f"cannot replay; this fit runs on the {target!r} engine instead.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return target
 
 
@@ -190,6 +189,12 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
     lt._before_step_hooks = hooks.overridden("on_before_optimizer_step")
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
     lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
+    interval = lt.val_check_interval
+    if isinstance(interval, int) and interval > lt.num_training_batches and lt.check_val_every_n_epoch is not None:
+        raise ValueError(
+            f"val_check_interval={interval} batches is more than the {lt.num_training_batches} training batches of "
+            "an epoch; lower it, or set check_val_every_n_epoch=None to count batches across epochs"
+        )
     runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
     lt._resumed = False
     if ckpt_path is not None:

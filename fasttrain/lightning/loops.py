@@ -197,7 +197,7 @@ def _should_validate(lt, batch_idx: int, last: bool) -> bool:
         return True
     interval = lt.val_check_batch
     index = lt.fit_loop.epoch_loop.total_batch_idx if every is None else batch_idx
-    return (index + 1) % interval == 0 or (last and interval >= lt.num_training_batches)
+    return (index + 1) % interval == 0
 
 
 # ---------------------------------------------------------------------------------- evaluation

@@ -229,6 +229,10 @@ class Trainer:
         loaders = self._test_loaders
         return loaders[0] if len(loaders) == 1 else (loaders or None)
 
+    #: no Lightning progress-bar callback: LightningModule.print then prints directly
+    progress_bar_callback = None
+    num_nodes = 1
+
     @property
     def precision(self) -> str:
         return {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[self._args.mixed_precision]
