@@ -165,3 +165,15 @@ def test_module_print_and_trainer_attributes_modules_read(capsys):
     trainer.fit(Printing(), train_loader())
     assert "epoch 0 of 1 on 1 process, precision 32-true" in capsys.readouterr().out
     assert trainer.estimated_stepping_batches == 6 and trainer.num_training_batches == 6
+
+
+def test_configure_optimizers_returning_none_trains_nothing_like_lightning():
+    class NoOptimizer(Classifier):
+        def configure_optimizers(self):
+            return None
+
+    lt, lm, ft, fm = fit_both(NoOptimizer, train_loader, trainer_kwargs=dict(max_epochs=1))
+    assert ft.global_step == lt.global_step == 6  # Lightning counts the mock optimizer's steps
+    assert_same_weights(lm, fm)
+    torch.manual_seed(0)
+    assert_same_weights(NoOptimizer(), fm)  # the initial weights: nothing was stepped
