@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
@@ -177,3 +178,27 @@ def test_configure_optimizers_returning_none_trains_nothing_like_lightning():
     assert_same_weights(lm, fm)
     torch.manual_seed(0)
     assert_same_weights(NoOptimizer(), fm)  # the initial weights: nothing was stepped
+
+
+def test_an_error_in_training_step_reaches_on_exception_hooks_and_is_raised():
+    seen = []
+
+    class Failing(Classifier):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise RuntimeError("bad batch")
+            return super().training_step(batch, batch_idx)
+
+        def on_exception(self, exception):
+            seen.append(("module", str(exception)))
+
+    class Watch(L.Callback):
+        def on_exception(self, trainer, module, exception):
+            seen.append(("callback", str(exception)))
+
+    trainer = Trainer(max_epochs=1, callbacks=[Watch()], enable_progress_bar=False, enable_model_summary=False,
+                      logger=False, enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.fit(Failing(), train_loader())
+    assert seen == [("callback", "bad batch"), ("module", "bad batch")]
+    assert trainer.global_step == 2

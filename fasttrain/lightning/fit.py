@@ -81,6 +81,14 @@ def _teardown(lt, stage: str, failed: bool = False) -> None:
     lt.state.status = TrainerStatus.INTERRUPTED if failed else TrainerStatus.FINISHED
 
 
+def _on_exception(lt, error: BaseException) -> None:
+    """Lightning's ``on_exception`` hooks (callbacks, then the module); the error is re-raised."""
+    lt._progress.close()
+    if isinstance(error, KeyboardInterrupt):
+        lt.state.status = TrainerStatus.INTERRUPTED
+    lt._hooks("on_exception", error)
+
+
 def _loader(lt, given, hook: str):
     if given is not None:
         return given
@@ -222,6 +230,9 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
             gradient_clip_norm=clip_norm,
         )
         failed = False
+    except BaseException as error:
+        _on_exception(lt, error)
+        raise
     finally:
         lt.training = False
         if not failed:
@@ -272,6 +283,9 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
     try:
         results = run_evaluation(lt, runner, stage)
         failed = False
+    except BaseException as error:
+        _on_exception(lt, error)
+        raise
     finally:
         _teardown(lt, fn, failed)
     return results
@@ -294,6 +308,9 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
     try:
         predictions = run_predict(lt, runner, loaders)
         failed = False
+    except BaseException as error:
+        _on_exception(lt, error)
+        raise
     finally:
         _teardown(lt, TrainerFn.PREDICTING, failed)
     return None if return_predictions is False else predictions
