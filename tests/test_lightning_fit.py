@@ -202,3 +202,14 @@ def test_an_error_in_training_step_reaches_on_exception_hooks_and_is_raised():
         trainer.fit(Failing(), train_loader())
     assert seen == [("callback", "bad batch"), ("module", "bad batch")]
     assert trainer.global_step == 2
+
+
+def test_on_train_batch_start_returning_minus_one_ends_the_epoch_like_lightning():
+    class SkipRest(EpochScheduled):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 3 else None
+
+    lt, lm, ft, fm = fit_both(SkipRest, train_loader, val_loader, trainer_kwargs=dict(max_epochs=2))
+    check_same(lt, lm, ft, fm)
+    assert ft.global_step == 6
+    assert ft.optimizers[0].param_groups[0]["lr"] == lt.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)

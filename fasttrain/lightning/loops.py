@@ -119,7 +119,11 @@ def run_fit(lt, runner) -> None:
             epoch_loop.batch_progress.is_last_batch = last
             results.start_batch(batch)
             if hooks("on_train_batch_start", batch, batch_idx) == -1:
+                # the rest of the epoch is skipped; Lightning still steps the schedulers as at
+                # an epoch's last batch
                 epoch_loop.batch_progress.is_last_batch = True
+                lt._step_schedulers("step", batch_idx)
+                lt._step_schedulers("epoch", batch_idx)
                 break
             update = (batch_idx + 1) % k == 0 or last
             runner.window_start = batch_idx % k == 0
@@ -167,7 +171,8 @@ def run_fit(lt, runner) -> None:
         hooks.module_hook("on_train_epoch_end")
         hooks.callbacks_only("on_train_epoch_end", monitoring=True)
         lt._collect_epoch_metrics(results)
-        lt._step_schedulers("epoch", 0, plateau=True)
+        if epoch_loop.batch_progress.is_last_batch:  # not when max_steps ended the epoch early
+            lt._step_schedulers("epoch", 0, plateau=True)
         epoch_loop._batches_that_stepped -= 1  # loggers get epoch metrics at the epoch's last step
         lt._log_epoch_metrics(results)
         epoch_loop._batches_that_stepped += 1
@@ -259,7 +264,7 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     lt._logger_connector.eval_epoch_ended = not sanity
     hooks(f"on_{prefix}_epoch_end")
     if not sanity:
-        logged = lt._finish_evaluation(results, logged, several, len(loaders))
+        logged = lt._finish_evaluation(results, logged, several)
     hooks(f"on_{prefix}_end")
     lt._logger_connector.eval_epoch_ended = False
     results.reset()

@@ -357,7 +357,7 @@ class Trainer:
         logged = results.metrics(on_step=False)["log"]
         return {k: v for k, v in logged.items() if k.endswith(suffix)}
 
-    def _finish_evaluation(self, results: ResultStore, per_loader: list, several: bool, num_loaders: int) -> list:
+    def _finish_evaluation(self, results: ResultStore, per_loader: list, several: bool) -> list:
         connector = self._logger_connector
         logged = connector.absorb(results, on_step=False)
         connector.log_metrics(logged)
