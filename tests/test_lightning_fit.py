@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
@@ -106,24 +107,38 @@ def test_torchmetrics_sum_reduction_and_explicit_batch_size():
     assert {"train_acc_step", "train_acc_epoch", "loss_sum", "explicit", "val_acc"} <= set(ft.callback_metrics)
 
 
-def test_no_host_sync_per_step(sync_counter):
-    """Logging on step and epoch costs no device-to-host read per step: the reads are the epoch
-    ends' only (here with no loggers, none at all during the epochs' steps)."""
-    class SGDClassifier(Classifier):
-        # torch's Adam reads its host-side step counter with .item(); SGD reads nothing
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+class SGDClassifier(Classifier):
+    # torch's Adam reads its host-side step counter with .item(); SGD reads nothing
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+
+def _syncs_per_extra_epoch(sync_counter, **kwargs) -> float:
     counts = []
     for epochs in (1, 3):
-        trainer = Trainer(max_epochs=epochs, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                          enable_checkpointing=False)
+        trainer = Trainer(max_epochs=epochs, enable_model_summary=False, enable_checkpointing=False, **kwargs)
         sync_counter["n"] = 0
         trainer.fit(SGDClassifier(), loader(classification_data(n=96), batch_size=8, shuffle=True))
         counts.append(sync_counter["n"])
-    # 12 steps per epoch: two more epochs may cost a constant per epoch (the DataLoader draws
-    # its seed and shuffle with a few reads), never one per step
-    assert counts[1] - counts[0] <= 2 * 4
+    return (counts[1] - counts[0]) / 2
+
+
+def test_no_host_sync_per_step(sync_counter):
+    """Logging on step and epoch (with prog_bar=True) costs no device-to-host read per step.
+    With no logger and no progress bar, an epoch of 12 steps costs only the DataLoader's own
+    few reads (its seed and shuffle)."""
+    assert _syncs_per_extra_epoch(sync_counter, logger=False, enable_progress_bar=False) <= 4
+
+
+def test_loggers_and_progress_bar_read_at_flushes_only(sync_counter, tmp_path):
+    """With a logger and the progress bar, the host reads the logged values once per flush
+    (every log_every_n_steps=4 stepping batches: 3 per epoch of 12) and at the epoch end, each
+    read one packed copy for all values."""
+    per_epoch = _syncs_per_extra_epoch(
+        sync_counter, logger=CSVLogger(tmp_path), log_every_n_steps=4, enable_progress_bar=True
+    )
+    # DataLoader reads + (3 flushes + the epoch end) x (logger copy + progress-bar copy)
+    assert per_epoch <= 4 + 4 * 2 + 2
 
 
 def test_unknown_and_unsupported_arguments_are_named():
