@@ -45,8 +45,16 @@ def _recording(cls, hooks, prefix, calls):
     return type(f"Recording{cls.__name__}", (cls,), {name: make(name) for name in hooks})
 
 
-def test_fit_hook_order_matches_lightning(tmp_path):
+# without the optimizer_step and zero-grad overrides, the update runs in the engine's own order
+ENGINE_PATH_EXCLUDED = {"optimizer_step", "optimizer_zero_grad", "on_before_zero_grad"}
+
+
+@pytest.mark.parametrize("path", ["closure", "engine"])
+def test_fit_hook_order_matches_lightning(path):
     calls = []
+    module_hooks = MODULE_HOOKS if path == "closure" else [h for h in MODULE_HOOKS if h not in ENGINE_PATH_EXCLUDED]
+    callback_hooks = CALLBACK_HOOKS if path == "closure" else [
+        h for h in CALLBACK_HOOKS if h not in ENGINE_PATH_EXCLUDED]
 
     class Scheduled(Classifier):
         def configure_optimizers(self):
@@ -54,8 +62,8 @@ def test_fit_hook_order_matches_lightning(tmp_path):
             return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
                                                        "interval": "step"}}
 
-    module_cls = _recording(Scheduled, MODULE_HOOKS, "module", calls)
-    callback_cls = _recording(L.Callback, CALLBACK_HOOKS, "callback", calls)
+    module_cls = _recording(Scheduled, module_hooks, "module", calls)
+    callback_cls = _recording(L.Callback, callback_hooks, "callback", calls)
     runs = []
 
     def factory():
