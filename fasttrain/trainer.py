@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -28,11 +29,22 @@ from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
-from fasttrain.run_config import TrainerRunConfig, build_run_config
+from fasttrain.run_config import TrainerRunConfig, build_run_config, uneven_eval_batches_message
 from fasttrain.step_metrics import StepMetricsBuffer
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
 from fasttrain import validation
+
+# names that pytorch-accelerated's trainer module also offers, imported from it by its users
+from fasttrain.callbacks import (  # noqa: F401
+    LogMetricsCallback,
+    MoveModulesToDeviceCallback,
+    PrintProgressCallback,
+    ProgressBarCallback,
+    TerminateOnNaNCallback,
+)
+from fasttrain.tracking import LossTracker  # noqa: F401
+from fasttrain.utils import remove_padding, worker_init_fn  # noqa: F401
 
 DEFAULT_CALLBACKS = get_default_callbacks()
 
@@ -467,6 +479,13 @@ class Trainer:
                 f"all processes is larger than the evaluation dataset ({len(self.eval_dataset)} "
                 "samples); lower per_device_batch_size or the eval batch_size."
             )
+        sampler = getattr(self._eval_dataloader, "batch_sampler", None)
+        if not getattr(sampler, "even_batches", False):  # padded last batches cannot hang
+            message = uneven_eval_batches_message(
+                len(self.eval_dataset), self.run_config.eval_per_device_batch_size, self.run_config.num_processes
+            )
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ the loops
     def _run_training(self):
@@ -636,12 +655,36 @@ class Trainer:
         total_loss, count = totals.tolist()
         self.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
 
+    def _perform_forward_and_backward_passes(self, batch, step):
+        """pytorch-accelerated's forward-and-backward helper: the batch's loss, scaled as the
+        step loop scales it (:meth:`_loss_for_backward`), through :meth:`backward_step`;
+        returns the batch output. The step engines do not call it, so overriding it changes
+        nothing (a warning says so when such a subclass is defined); override
+        ``calculate_train_batch_loss`` or ``backward_step`` instead."""
+        batch_output = self.calculate_train_batch_loss(batch)
+        self.backward_step(self._scale_loss(batch_output["loss"], batch_output))
+        return batch_output
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls._perform_forward_and_backward_passes is not Trainer._perform_forward_and_backward_passes:
+            warnings.warn(
+                f"{cls.__qualname__} overrides _perform_forward_and_backward_passes, which "
+                "fasttrain's step loop does not call: override calculate_train_batch_loss "
+                "(forward and loss) or backward_step instead.",
+                UserWarning,
+                stacklevel=2,
+            )
+
     # ------------------------------------------------------------------ engine support
     def _loss_for_backward(self, batch_output: dict):
         """The loss that backward sees: divided by the accumulation steps, and multiplied by the
         number of processes for token-normalised losses, whose normaliser already spans all
         processes while DDP averages gradients over them."""
         loss = validation.train_loss(batch_output)  # host-only checks: a clear error before backward
+        return self._scale_loss(loss, batch_output)
+
+    def _scale_loss(self, loss, batch_output: dict):
         config = self.run_config
         if "num_items_in_batch" in batch_output and config.is_distributed:
             loss = loss * config.num_processes
