@@ -353,7 +353,10 @@ class Trainer:
             per_device_batch_size=per_device_batch_size,
             gradient_clip_value=gradient_clip_value,
         )
-        validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
+        if hasattr(type(self.train_dataset), "__len__"):
+            # a sized dataset whose loader yields nothing (drop_last); the loader of a dataset
+            # without a length has no meaningful length either
+            validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
         self._check_eval_batch_size()
         self._clipper = GradientClipper(
             self.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
