@@ -24,7 +24,12 @@ from fasttrain.callbacks import (
     StopTrainingError,
     get_default_callbacks,
 )
-from fasttrain.data import default_dataloader_kwargs, merge_dataloader_kwargs, place_single_process
+from fasttrain.data import (
+    default_dataloader_kwargs,
+    merge_dataloader_kwargs,
+    place_single_process,
+    with_device_attribute,
+)
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper
 from fasttrain.nonfinite import NonFiniteGuard
@@ -444,6 +449,9 @@ class Trainer:
                 and getattr(acc.state.deepspeed_plugin, "zero_stage", 0) == 3
             )
             self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches or forward_gathers
+        for name in ("_train_dataloader", "_eval_dataloader"):
+            if getattr(self, name) is not None:  # the loaders have a device, as prepared ones do
+                setattr(self, name, with_device_attribute(getattr(self, name), acc.device))
         self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
         # accelerate's optimizer wrapper is needed for loss scaling and for XLA/DeepSpeed/
         # Megatron; otherwise it only adds per-step bookkeeping (package look-ups, signature
