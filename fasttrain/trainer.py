@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 
 from fasttrain import checkpointing, signals
+from fasttrain.compat import ForwardBackwardHelper
 from fasttrain.callbacks import (
     CallbackHandler,
     LimitBatchesCallback,
@@ -71,7 +72,7 @@ def replace_trainer_placeholder_values(trainer, instance):
     return resolve_placeholders(instance, values)
 
 
-class Trainer:
+class Trainer(ForwardBackwardHelper):
     """Trains and evaluates a model with overridable hooks and callbacks.
 
     The first five arguments are pytorch-accelerated's. fasttrain's own options are keyword-only:
@@ -665,27 +666,6 @@ class Trainer:
             totals = self._accelerator.reduce(totals, reduction="sum")
         total_loss, count = totals.tolist()
         self.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
-
-    def _perform_forward_and_backward_passes(self, batch, step):
-        """pytorch-accelerated's forward-and-backward helper: the batch's loss, scaled as the
-        step loop scales it (:meth:`_loss_for_backward`), through :meth:`backward_step`;
-        returns the batch output. The step engines do not call it, so overriding it changes
-        nothing (a warning says so when such a subclass is defined); override
-        ``calculate_train_batch_loss`` or ``backward_step`` instead."""
-        batch_output = self.calculate_train_batch_loss(batch)
-        self.backward_step(self._scale_loss(batch_output["loss"], batch_output))
-        return batch_output
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls._perform_forward_and_backward_passes is not Trainer._perform_forward_and_backward_passes:
-            warnings.warn(
-                f"{cls.__qualname__} overrides _perform_forward_and_backward_passes, which "
-                "fasttrain's step loop does not call: override calculate_train_batch_loss "
-                "(forward and loss) or backward_step instead.",
-                UserWarning,
-                stacklevel=2,
-            )
 
     # ------------------------------------------------------------------ engine support
     def _loss_for_backward(self, batch_output: dict):

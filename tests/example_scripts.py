@@ -186,7 +186,9 @@ def _record_metrics(run_history, metrics):
     metrics.reset()
 
 
-def example_metrics_in_callback(lib: Lib):
+def metrics_callback(lib: Lib):
+    """The examples' ``ClassificationMetricsCallback``: torchmetrics updated per eval step."""
+
     class ClassificationMetricsCallback(lib.callbacks.TrainerCallback):
         def __init__(self):
             self.metrics = _metric_collection()
@@ -203,12 +205,16 @@ def example_metrics_in_callback(lib: Lib):
         def on_eval_epoch_end(self, trainer, **kwargs):
             _record_metrics(trainer.run_history, self.metrics)
 
+    return ClassificationMetricsCallback()
+
+
+def example_metrics_in_callback(lib: Lib):
     model = _initial(MNISTLikeModel)
     trainer = lib.Trainer(
         model,
         loss_func=nn.CrossEntropyLoss(),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-        callbacks=(ClassificationMetricsCallback(), *lib.trainer.DEFAULT_CALLBACKS),
+        callbacks=(metrics_callback(lib), *lib.trainer.DEFAULT_CALLBACKS),
         **lib.trainer_kwargs,
     )
     kwargs = dict(NO_WORKERS)
@@ -388,14 +394,14 @@ def example_pets_finetune(lib: Lib):
     freezer.freeze()
     lr = 3e-2
     optimizer = torch.optim.Adam(params=freezer.get_trainable_parameters(), lr=lr / 25)
-    metrics_callback = _pets_metrics_callback(lib)
+    metrics = metrics_callback(lib)
 
     def make():
         return lib.Trainer(
             model=model,
             loss_func=F.cross_entropy,
             optimizer=optimizer,
-            callbacks=[metrics_callback, *lib.trainer.DEFAULT_CALLBACKS],
+            callbacks=[metrics, *lib.trainer.DEFAULT_CALLBACKS],
             **lib.trainer_kwargs,
         )
 
@@ -423,23 +429,6 @@ def example_pets_finetune(lib: Lib):
     trainer.train(num_epochs=3, create_scheduler_fn=schedule, reset_run_history=False, **data)
     histories.append(plain_history(history_of(trainer)))
     return _weights(model), histories, {"frozen_after_first": frozen_after_first, "groups": sorted(param_groups)}
-
-
-def _pets_metrics_callback(lib: Lib):
-    class ClassificationMetricsCallback(lib.callbacks.TrainerCallback):
-        def __init__(self):
-            self.metrics = _metric_collection()
-
-        def on_training_run_start(self, trainer, **kwargs):
-            self.metrics.to(trainer.device)
-
-        def on_eval_step_end(self, trainer, batch, batch_output, **kwargs):
-            self.metrics.update(batch_output["model_outputs"].argmax(dim=-1), batch[1])
-
-        def on_eval_epoch_end(self, trainer, **kwargs):
-            _record_metrics(trainer.run_history, self.metrics)
-
-    return ClassificationMetricsCallback()
 
 
 # ----------------------------------------------------------------------------- vision/transfer_learning/progressive_resizing.py
