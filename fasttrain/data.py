@@ -44,6 +44,21 @@ def place_single_process(dataloader, device: torch.device):
     return DeviceLoader(dataloader, device)
 
 
+def with_device_attribute(dataloader, device: torch.device):
+    """``dataloader`` with a ``device`` attribute, which accelerate's prepared dataloaders have
+    and callbacks read (``metric.to(trainer._eval_dataloader.device)``). Set on the loader
+    itself where possible, so that it stays the same object (no per-batch wrapper); a loader
+    that refuses new attributes is wrapped. A loader that has one keeps it (accelerate's
+    prepared loaders: ``None`` there means they leave batches where they are)."""
+    if hasattr(dataloader, "device"):
+        return dataloader
+    try:
+        dataloader.device = device
+    except (AttributeError, TypeError, ValueError):
+        return DeviceLoader(dataloader, device)
+    return dataloader
+
+
 def default_num_workers() -> int:
     """pytorch-accelerated's default: the CPUs per GPU, at least one."""
     cpus = os.cpu_count() or 1

@@ -20,6 +20,12 @@ Layer = namedtuple("Layer", ["layer_group_idx", "module", "is_frozen"])
 LayerGroup = namedtuple("LayerGroup", ["layer_group_idx", "module", "is_frozen"])
 
 
+def _module_is_batch_norm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a batch-norm layer (kept under pytorch-accelerated's name, which its
+    users' tests import)."""
+    return isinstance(module, BN_MODULES)
+
+
 def _leaf_modules(module: torch.nn.Module) -> List[torch.nn.Module]:
     children = list(module.children())
     if not children:
@@ -113,8 +119,14 @@ class ModelFreezer:
         """
         return self._set_state(from_index, to_index, freeze=False, set_mode=set_modules_as_training)
 
-    def _set_state(self, from_index: int, to_index: int, freeze: bool, set_mode: bool) -> dict:
+    def _convert_idxs(self, from_index: int, to_index: int) -> Tuple[int, int]:
+        """The two layer-group indices as non-negative indices, smaller first (pytorch-accelerated's
+        name for this conversion)."""
         first, last = sorted((self._positive(from_index), self._positive(to_index)))
+        return first, last
+
+    def _set_state(self, from_index: int, to_index: int, freeze: bool, set_mode: bool) -> dict:
+        first, last = self._convert_idxs(from_index, to_index)
         changed: Dict[int, list] = {}
         for layer in self.get_layers():
             group_index = layer.layer_group_idx[0]
@@ -124,7 +136,7 @@ class ModelFreezer:
                 break
             if layer.is_frozen == freeze:
                 continue
-            if isinstance(layer.module, BN_MODULES) and not self.freeze_bn:
+            if _module_is_batch_norm(layer.module) and not self.freeze_bn:
                 continue
             params = list(layer.module.parameters())
             for param in params:

@@ -219,6 +219,9 @@ def begin_training(trainer, resume_from=None) -> None:
     if resume_from is None:
         return
     metadata = trainer.load_training_state(resume_from)
+    if "current_epoch" in metadata:
+        # also when load_training_state is overridden and leaves the run history alone
+        trainer.run_history._set_epoch(metadata["current_epoch"])
     trainer._run_first_epoch = metadata.get("run_first_epoch", 1)
     trainer._resume_position = resume_position(metadata)
     trainer.print(

@@ -11,7 +11,7 @@ from typing import Union
 import torch
 from accelerate.utils import DistributedType
 
-__all__ = ["TrainerRunConfig", "build_run_config"]
+__all__ = ["TrainerRunConfig", "build_run_config", "uneven_eval_batches_message"]
 
 # Dataloader arguments returned by to_dict() as the same objects: a sampler may reference the
 # whole dataset, and a copied generator would no longer advance with the one the run uses.
@@ -135,4 +135,38 @@ def build_run_config(
         is_distributed=accelerator.distributed_type != DistributedType.NO,
         mixed_precision=accelerator.mixed_precision,
         num_processes=processes,
+    )
+
+
+def uneven_eval_batches_message(dataset_size: int, per_device_batch_size: int, num_processes: int):
+    """Why a per-step ``Trainer.gather`` could wait forever in a distributed evaluation whose
+    last batches are not padded, or None when every process gets an equal last batch.
+
+    Evaluation batches go to the processes in turn. When the dataset does not fill the last
+    round, either some process gets no batch in it (and a ``gather`` the others call in that
+    step waits for it forever), or one process gets a smaller batch than the others (and a
+    ``gather`` of per-sample tensors needs ``padding_value``).
+    """
+    total = per_device_batch_size * num_processes
+    left_over = dataset_size % total
+    if left_over == 0:
+        return None
+    # the fewest samples in the last round for which every process still gets a batch
+    all_processes_served = per_device_batch_size * (num_processes - 1) + 1
+    where = (
+        f"per_device_batch_size={per_device_batch_size} with an evaluation dataset of "
+        f"{dataset_size} samples on {num_processes} processes"
+    )
+    if left_over < all_processes_served:
+        return (
+            f"{where} leaves at least one process without a batch in the last evaluation step: "
+            "a Trainer.gather called in that step (an on_eval_step_end callback) waits forever "
+            "for it. Choose a batch size that divides the dataset size by the number of "
+            "processes, or gather only at the end of the epoch."
+        )
+    return (
+        f"{where} gives one process a smaller last evaluation batch than the others: a "
+        "Trainer.gather of per-sample tensors in that step fails or waits forever unless it is passed "
+        "a padding_value (trainer.gather(tensor, padding_value=...)), which pads and then "
+        "removes the padding."
     )

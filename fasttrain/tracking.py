@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections import defaultdict
 from abc import ABC, abstractmethod
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -99,7 +100,9 @@ class InMemoryRunHistory(RunHistory):
 
     def __init__(self):
         self._current_epoch = 1
-        self._metrics: Dict[str, List[Any]] = {}
+        # a defaultdict, as in pytorch-accelerated, whose users append to ``_metrics[name]``
+        # directly; the public readers use ``get`` so that reading creates nothing
+        self._metrics: Dict[str, List[Any]] = defaultdict(list)
         self._prefix = ""
 
     def get_metric_names(self) -> set:
@@ -140,7 +143,7 @@ class InMemoryRunHistory(RunHistory):
     def reset(self):
         """Forget all metrics and return to epoch 1; the prefix is kept."""
         self._current_epoch = 1
-        self._metrics = {}
+        self._metrics = defaultdict(list)
 
     def state_dict(self) -> dict:
         """Return the epoch, prefix and metrics as plain Python values (tensors become
@@ -158,7 +161,7 @@ class InMemoryRunHistory(RunHistory):
         """Replace the history with one saved by :meth:`state_dict`."""
         self._current_epoch = state_dict["current_epoch"]
         self._prefix = state_dict.get("metric_name_prefix", "")
-        self._metrics = {name: list(values) for name, values in state_dict["metrics"].items()}
+        self._metrics = defaultdict(list, {name: list(values) for name, values in state_dict["metrics"].items()})
 
 
 def _accumulation_dtype(device: torch.device) -> torch.dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -17,22 +18,39 @@ from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 
 from fasttrain import checkpointing, signals
+from fasttrain.compat import ForwardBackwardHelper
 from fasttrain.callbacks import (
     CallbackHandler,
     LimitBatchesCallback,
     StopTrainingError,
     get_default_callbacks,
 )
-from fasttrain.data import default_dataloader_kwargs, merge_dataloader_kwargs, place_single_process
+from fasttrain.data import (
+    default_dataloader_kwargs,
+    merge_dataloader_kwargs,
+    place_single_process,
+    with_device_attribute,
+)
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
-from fasttrain.run_config import TrainerRunConfig, build_run_config
+from fasttrain.run_config import TrainerRunConfig, build_run_config, uneven_eval_batches_message
 from fasttrain.step_metrics import StepMetricsBuffer
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
 from fasttrain import validation
+
+# names that pytorch-accelerated's trainer module also offers, imported from it by its users
+from fasttrain.callbacks import (  # noqa: F401
+    LogMetricsCallback,
+    MoveModulesToDeviceCallback,
+    PrintProgressCallback,
+    ProgressBarCallback,
+    TerminateOnNaNCallback,
+)
+from fasttrain.tracking import LossTracker  # noqa: F401
+from fasttrain.utils import remove_padding, worker_init_fn  # noqa: F401
 
 DEFAULT_CALLBACKS = get_default_callbacks()
 
@@ -54,7 +72,7 @@ def replace_trainer_placeholder_values(trainer, instance):
     return resolve_placeholders(instance, values)
 
 
-class Trainer:
+class Trainer(ForwardBackwardHelper):
     """Trains and evaluates a model with overridable hooks and callbacks.
 
     The first five arguments are pytorch-accelerated's. fasttrain's own options are keyword-only:
@@ -341,7 +359,10 @@ class Trainer:
             per_device_batch_size=per_device_batch_size,
             gradient_clip_value=gradient_clip_value,
         )
-        validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
+        if hasattr(type(self.train_dataset), "__len__"):
+            # a sized dataset whose loader yields nothing (drop_last); the loader of a dataset
+            # without a length has no meaningful length either
+            validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
         self._check_eval_batch_size()
         self._clipper = GradientClipper(
             self.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
@@ -429,6 +450,9 @@ class Trainer:
                 and getattr(acc.state.deepspeed_plugin, "zero_stage", 0) == 3
             )
             self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches or forward_gathers
+        for name in ("_train_dataloader", "_eval_dataloader"):
+            if getattr(self, name) is not None:  # the loaders have a device, as prepared ones do
+                setattr(self, name, with_device_attribute(getattr(self, name), acc.device))
         self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
         # accelerate's optimizer wrapper is needed for loss scaling and for XLA/DeepSpeed/
         # Megatron; otherwise it only adds per-step bookkeeping (package look-ups, signature
@@ -467,6 +491,13 @@ class Trainer:
                 f"all processes is larger than the evaluation dataset ({len(self.eval_dataset)} "
                 "samples); lower per_device_batch_size or the eval batch_size."
             )
+        sampler = getattr(self._eval_dataloader, "batch_sampler", None)
+        if not getattr(sampler, "even_batches", False):  # padded last batches cannot hang
+            message = uneven_eval_batches_message(
+                len(self.eval_dataset), self.run_config.eval_per_device_batch_size, self.run_config.num_processes
+            )
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ the loops
     def _run_training(self):
@@ -642,6 +673,9 @@ class Trainer:
         number of processes for token-normalised losses, whose normaliser already spans all
         processes while DDP averages gradients over them."""
         loss = validation.train_loss(batch_output)  # host-only checks: a clear error before backward
+        return self._scale_loss(loss, batch_output)
+
+    def _scale_loss(self, loss, batch_output: dict):
         config = self.run_config
         if "num_items_in_batch" in batch_output and config.is_distributed:
             loss = loss * config.num_processes

@@ -67,6 +67,11 @@ class DataLoaderSlice:
     def __len__(self):
         return self.slice_size
 
+    def __getattr__(self, name):
+        # the sliced loader's other attributes (device, batch_size, dataset), so that code
+        # reading them works while a batch limit is in place
+        return getattr(self.__dict__["dl"], name)
+
 
 def local_process_zero_only(func):
     """Run ``func`` only on the first process of each node; the others return ``None``.

@@ -147,10 +147,10 @@ def test_state_left_aside_by_a_killed_swap_is_found(tmp_path, trained):
 def test_find_latest_training_state_skips_damaged_ones(tmp_path):
     saver = SaveTrainingStateCallback(save_dir=str(tmp_path), save_every_n_steps=1, save_at_end=False)
     trainer, _ = build_trainer(callbacks=[saver])
-    trainer.train(**train_kwargs(**SMALL))
-    assert checkpointing.find_latest_training_state(tmp_path) == tmp_path / "step_3"
-    (tmp_path / "step_3" / "model.pt").write_bytes(b"")
-    assert checkpointing.find_latest_training_state(tmp_path) == tmp_path / "step_2"
+    trainer.train(**train_kwargs(**SMALL))  # steps count batches: 6, two per update
+    assert checkpointing.find_latest_training_state(tmp_path) == tmp_path / "step_6"
+    (tmp_path / "step_6" / "model.pt").write_bytes(b"")
+    assert checkpointing.find_latest_training_state(tmp_path) == tmp_path / "step_5"
     assert checkpointing.find_latest_training_state(tmp_path / "nothing") is None
 
 
@@ -159,7 +159,7 @@ def test_keep_last_n_keeps_the_newest(tmp_path):
     saver = SaveTrainingStateCallback(save_dir=str(tmp_path), save_every_n_steps=1, max_checkpoints=2)
     trainer, _ = build_trainer(callbacks=[saver])
     trainer.train(**train_kwargs(**SMALL))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step_3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step_6"]
 
 
 def test_failed_save_never_costs_the_newest_good_state(tmp_path, monkeypatch):
@@ -173,8 +173,9 @@ def test_failed_save_never_costs_the_newest_good_state(tmp_path, monkeypatch):
     trainer, _ = build_trainer(callbacks=[FailOnUpdate(), saver])
     with pytest.raises(DiskFull):
         trainer.train(**train_kwargs(**SMALL))
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_1"]
-    checkpointing.verify_training_state(tmp_path / "step_1")
+    # the save at batch 4 (update 2) failed; batch 3's state, saved inside a window, is kept
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_3"]
+    checkpointing.verify_training_state(tmp_path / "step_3")
 
 
 def test_keep_last_n_continues_across_a_resume(tmp_path):
@@ -188,8 +189,8 @@ def test_keep_last_n_continues_across_a_resume(tmp_path):
     saver = SaveTrainingStateCallback(save_dir=str(tmp_path / "s"), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
     first, _ = build_trainer(callbacks=[saver, StopAtUpdate()])
     first.train(**train_kwargs(**kwargs))
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step_3", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step_7", "step_8"]
     saver2 = SaveTrainingStateCallback(save_dir=str(tmp_path / "s"), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
     second, _ = build_trainer(callbacks=[saver2])
-    second.train(**train_kwargs(**kwargs), resume_from=str(tmp_path / "s" / "step_4"))
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step_5", "step_6"]
+    second.train(**train_kwargs(**kwargs), resume_from=str(tmp_path / "s" / "step_8"))
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step_11", "step_12"]

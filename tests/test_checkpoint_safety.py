@@ -69,13 +69,13 @@ def test_keep_last_n_after_resume_never_deletes_another_directorys_states(tmp_pa
     saver = SaveTrainingStateCallback(save_dir=str(first_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
     first, _ = build_trainer(callbacks=[saver, StopAtUpdate()])
     first.train(**train_kwargs(**kwargs))
-    assert sorted(p.name for p in first_dir.iterdir()) == ["step_3", "step_4"]
+    assert sorted(p.name for p in first_dir.iterdir()) == ["step_7", "step_8"]
     # a new run, saving elsewhere, branches off run_a's newest state
     saver2 = SaveTrainingStateCallback(save_dir=str(second_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
     second, _ = build_trainer(callbacks=[saver2])
-    second.train(**train_kwargs(**kwargs), resume_from=str(first_dir / "step_4"))
-    assert sorted(p.name for p in first_dir.iterdir()) == ["step_3", "step_4"]
-    assert sorted(p.name for p in second_dir.iterdir()) == ["step_5", "step_6"]
+    second.train(**train_kwargs(**kwargs), resume_from=str(first_dir / "step_8"))
+    assert sorted(p.name for p in first_dir.iterdir()) == ["step_7", "step_8"]
+    assert sorted(p.name for p in second_dir.iterdir()) == ["step_11", "step_12"]
 
 
 # ----------------------------------------------------------------------------- several processes

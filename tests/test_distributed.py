@@ -209,6 +209,14 @@ def test_run_config(results, name):
     assert rc["num_local_update_steps_per_epoch"] == reference_rc["num_local_update_steps_per_epoch"]
 
 
+@pytest.mark.parametrize("name", ["k1"])
+def test_loaders_have_a_device_at_every_world_size(results, name):
+    # callbacks written for pytorch-accelerated read trainer._eval_dataloader.device
+    for rank_result in [*_ranks(results, f"train/{name}/eager"), _reference(results, f"train/{name}/eager")]:
+        assert rank_result["loader_devices"] == [rank_result["device"]] * 2
+        assert rank_result["device"].startswith("cpu")
+
+
 def test_max_num_train_steps_counts_updates_of_each_process(results):
     """6 updates with 4 updates per epoch on each process: 2 epochs, the second stopped after 2
     updates, on both processes; the result equals one process stopped after 6 updates."""

@@ -124,19 +124,22 @@ def test_replay_loads_consumed_samples(tmp_path):
 def test_save_training_state_callback_states_resume_exactly(tmp_path, reference_run):
     reference, reference_records = reference_run
     save_dir = tmp_path / "states"
-    saver = SaveTrainingStateCallback(save_dir=str(save_dir), save_every_n_steps=4, save_at_end=False)
+    saver = SaveTrainingStateCallback(save_dir=str(save_dir), save_every_n_steps=3, save_at_end=False)
     trainer, recorder = build_trainer(callbacks=[saver])
     torch.manual_seed(123)
     trainer.train(**train_kwargs())
     assert recorder.records == reference_records  # saving changes nothing
-    assert sorted(p.name for p in save_dir.iterdir()) == ["step_4", "step_8"]
+    assert sorted((p.name for p in save_dir.iterdir()), key=lambda n: int(n[5:])) == [
+        f"step_{n}" for n in (3, 6, 9, 12, 15, 18)
+    ]
 
-    # step 4 counts optimizer updates: with 3 updates per epoch it is mid-epoch 2
-    metadata = torch.load(save_dir / "step_4" / "trainer_state.pt", weights_only=True)
-    assert (metadata["current_epoch"], metadata["phase"], metadata["step_in_epoch"]) == (2, "mid_epoch", 2)
+    # steps count batches, as in pytorch-accelerated: with 6 batches per epoch and two-step
+    # accumulation, step 9 is inside the second window of epoch 2
+    metadata = torch.load(save_dir / "step_9" / "trainer_state.pt", weights_only=True)
+    assert (metadata["current_epoch"], metadata["phase"], metadata["step_in_epoch"]) == (2, "mid_epoch", 3)
     resumed, resumed_rec = build_trainer(model_seed=3)
-    resumed.train(**train_kwargs(), resume_from=str(save_dir / "step_4"))
-    done = [r for r in reference_records if (r[1], r[0] == "eval", r[2]) < (2, False, 2)]
+    resumed.train(**train_kwargs(), resume_from=str(save_dir / "step_9"))
+    done = [r for r in reference_records if (r[1], r[0] == "eval", r[2]) < (2, False, 3)]
     assert done + resumed_rec.records == reference_records
     for name, value in weights(reference).items():
         assert torch.equal(weights(resumed)[name], value)

@@ -41,6 +41,10 @@ from fasttrain.callbacks.events import (
     StopTrainingError,
     TrainerCallback,
 )
+# pytorch-accelerated's callbacks module also offers these helpers under its own path
+from fasttrain.tracking import LossTracker
+from fasttrain.utils import DataLoaderSlice, ModelEma
+from tqdm import tqdm
 
 __all__ = [
     "TrainerCallback",
@@ -64,4 +68,7 @@ __all__ = [
     "WSDCheckpointCallback",
     "EVENTS",
     "PER_STEP_EVENTS",
+    "LossTracker",
+    "DataLoaderSlice",
+    "ModelEma",
 ]

@@ -130,8 +130,14 @@ class ModelEmaCallback(SaveBestModelCallback):
 
 
 class SaveTrainingStateCallback(TrainerCallback):
-    """Saves the complete training state every n epochs and/or optimizer updates and at the end,
-    keeping at most ``max_checkpoints`` of them (the newest are kept)."""
+    """Saves the complete training state every n epochs and/or training steps and at the end,
+    keeping at most ``max_checkpoints`` of them (the newest are kept).
+
+    ``save_every_n_steps`` counts training steps (batches) from the start of each ``train()``
+    call, as pytorch-accelerated does: with gradient accumulation a state may be saved inside an
+    accumulation window, and it holds that window's gradients, so a run resumed from it is
+    step-exact. A resumed run continues the count from the state it was resumed from.
+    """
 
     def __init__(
         self,
@@ -155,6 +161,7 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.max_checkpoints = max_checkpoints
         self._saved_checkpoints: List[Path] = []
         self._global_step = 0
+        self._resumed = False
 
     def _save(self, trainer, name):
         output_dir = self.save_dir / name
@@ -180,7 +187,10 @@ class SaveTrainingStateCallback(TrainerCallback):
     def state_dict(self) -> dict:
         """The states this callback saved and still keeps, oldest first (saved with the
         training state, so that ``max_checkpoints`` holds across a resume)."""
-        return {"saved_checkpoints": [str(path) for path in self._saved_checkpoints]}
+        return {
+            "saved_checkpoints": [str(path) for path in self._saved_checkpoints],
+            "global_step": self._global_step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         # only this callback's own directory: a run resumed from another run's state must never
@@ -188,6 +198,9 @@ class SaveTrainingStateCallback(TrainerCallback):
         self._saved_checkpoints = [
             Path(path) for path in state.get("saved_checkpoints", []) if Path(path).parent == self.save_dir
         ]
+        # loaded before on_training_run_start, which then keeps the count
+        self._global_step = state.get("global_step", 0)
+        self._resumed = True
 
     def _cleanup_old_checkpoints(self, trainer):
         if self.max_checkpoints is None:
@@ -202,26 +215,22 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     def on_training_run_start(self, trainer, **kwargs):
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        self._global_step = trainer._num_updates
+        if not self._resumed:
+            self._global_step = 0
+        self._resumed = False
 
     def on_train_step_end(self, trainer, step, **kwargs):
-        if self.save_every_n_steps is None:
-            return
-        # saved on optimizer updates only, so a state never splits an accumulation window
-        if trainer._num_updates != self._global_step:
-            self._global_step = trainer._num_updates
-            if self._global_step % self.save_every_n_steps == 0:
-                self._save(trainer, f"step_{self._global_step}")
+        self._global_step += 1
+        if self.save_every_n_steps is not None and self._global_step % self.save_every_n_steps == 0:
+            self._save(trainer, f"step_{self._global_step}")
 
     def on_train_epoch_end(self, trainer, **kwargs):
         epoch = trainer.run_history.current_epoch
         if self.save_every_n_epochs is not None and epoch % self.save_every_n_epochs == 0:
-            self._global_step = trainer._num_updates
             self._save(trainer, f"epoch_{epoch}")
 
     def on_training_run_end(self, trainer, **kwargs):
         if self.save_at_end:
-            self._global_step = trainer._num_updates
             self._save(trainer, "final")
 
 

@@ -7,6 +7,7 @@ from torch import nn
 from tqdm import tqdm
 
 from fasttrain.callbacks.events import StopTrainingError, TrainerCallback
+from fasttrain.callbacks.nan_check import PerStepNaNCheck
 
 
 class MoveModulesToDeviceCallback(TrainerCallback):
@@ -25,7 +26,7 @@ class MoveModulesToDeviceCallback(TrainerCallback):
         self._move_modules_to_device(trainer)
 
 
-class TerminateOnNaNCallback(TrainerCallback):
+class TerminateOnNaNCallback(PerStepNaNCheck, TrainerCallback):
     """Stops the run at the first flush that sees a non-finite loss.
 
     The check uses the batched host values, so it costs no per-step synchronisation; the stop

@@ -3,6 +3,7 @@
 from fasttrain.schedulers.cosine_scheduler import CosineLrScheduler
 from fasttrain.schedulers.scheduler_base import (
     SchedulerBase,
+    SchedulerConfigError,
     StatefulSchedulerBase,
     set_param_group_value,
 )
@@ -11,6 +12,7 @@ from fasttrain.schedulers.wsd_scheduler import WSDLrScheduler, estimate_checkpoi
 __all__ = [
     "CosineLrScheduler",
     "SchedulerBase",
+    "SchedulerConfigError",
     "StatefulSchedulerBase",
     "WSDLrScheduler",
     "estimate_checkpoint_steps",

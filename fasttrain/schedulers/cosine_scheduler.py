@@ -9,7 +9,7 @@ from typing import Callable, List
 import torch
 
 from fasttrain.placeholders import TrainerPlaceholderValues
-from fasttrain.schedulers.scheduler_base import StatefulSchedulerBase
+from fasttrain.schedulers.scheduler_base import SchedulerConfigError, StatefulSchedulerBase
 
 __all__ = ["CosineLrScheduler"]
 
@@ -65,12 +65,12 @@ class CosineLrScheduler(StatefulSchedulerBase):
         """
         super().__init__(optimizer)
         if not (total_num_epochs > 0 and num_update_steps_per_epoch > 0):
-            raise ValueError(
+            raise SchedulerConfigError(
                 "total_num_epochs and num_update_steps_per_epoch must both be positive, got "
                 f"{total_num_epochs} and {num_update_steps_per_epoch}."
             )
         if lr_min < 0:
-            raise ValueError(f"lr_min must be non-negative, got {lr_min}.")
+            raise SchedulerConfigError(f"lr_min must be non-negative, got {lr_min}.")
         self.total_iterations = total_num_epochs * num_update_steps_per_epoch
         self.lr_min_ratio = min_lr_ratio
         self.lr_min = lr_min

@@ -13,7 +13,15 @@ from typing import Iterable, Union
 
 import torch
 
-__all__ = ["SchedulerBase", "StatefulSchedulerBase", "set_param_group_value"]
+__all__ = ["SchedulerBase", "StatefulSchedulerBase", "SchedulerConfigError", "set_param_group_value"]
+
+
+class SchedulerConfigError(ValueError, AssertionError):
+    """A scheduler's arguments do not describe a valid schedule.
+
+    A ``ValueError`` (what the problem is), and also an ``AssertionError``: pytorch-accelerated
+    checks these arguments with ``assert``, so code written for it catches ``AssertionError``.
+    """
 
 
 def set_param_group_value(group: dict, field: str, value) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from fasttrain.placeholders import TrainerPlaceholderValues
-from fasttrain.schedulers.scheduler_base import StatefulSchedulerBase
+from fasttrain.schedulers.scheduler_base import SchedulerConfigError, StatefulSchedulerBase
 
 __all__ = ["WSDLrScheduler", "estimate_checkpoint_steps"]
 
@@ -99,22 +99,22 @@ class WSDLrScheduler(StatefulSchedulerBase):
 
         if num_epochs is not None and num_update_steps_per_epoch is not None:
             if total_steps is not None:
-                raise ValueError(
+                raise SchedulerConfigError(
                     "Pass either num_epochs and num_update_steps_per_epoch, or total_steps, "
                     "not all three."
                 )
             total_steps = num_epochs * num_update_steps_per_epoch
         if total_steps is None or not total_steps > 0:
-            raise ValueError(
+            raise SchedulerConfigError(
                 "total_steps must be a positive number of updates; pass total_steps, or "
                 f"num_epochs and num_update_steps_per_epoch (got total_steps={total_steps!r})."
             )
         if not 0 <= decay_phase_ratio <= 1:
-            raise ValueError(f"decay_phase_ratio must be between 0 and 1, got {decay_phase_ratio}.")
+            raise SchedulerConfigError(f"decay_phase_ratio must be between 0 and 1, got {decay_phase_ratio}.")
         if lr_min < 0:
-            raise ValueError(f"lr_min must be non-negative, got {lr_min}.")
+            raise SchedulerConfigError(f"lr_min must be non-negative, got {lr_min}.")
         if num_checkpoints <= 0:
-            raise ValueError(f"num_checkpoints must be positive, got {num_checkpoints}.")
+            raise SchedulerConfigError(f"num_checkpoints must be positive, got {num_checkpoints}.")
         if num_warmup_steps is None:
             num_warmup_steps = int(0.01 * total_steps)
 
@@ -130,13 +130,13 @@ class WSDLrScheduler(StatefulSchedulerBase):
         self.previous_checkpoint_step = None
 
         if warmup_starting_lr > max(self.base_lr_values):
-            raise ValueError(
+            raise SchedulerConfigError(
                 f"warmup_starting_lr ({warmup_starting_lr}) exceeds the largest learning rate "
                 f"of the optimizer's groups ({max(self.base_lr_values)}); lower it."
             )
         if num_checkpoints > 1:
             if decay_phase_ratio > _MAX_DECAY_RATIO_WITH_CHECKPOINTS:
-                raise ValueError(
+                raise SchedulerConfigError(
                     f"decay_phase_ratio {decay_phase_ratio} is too large for {num_checkpoints} "
                     "checkpoints: decay phases could overlap. Use at most "
                     f"{_MAX_DECAY_RATIO_WITH_CHECKPOINTS:.2f}, or num_checkpoints=1."
@@ -149,7 +149,7 @@ class WSDLrScheduler(StatefulSchedulerBase):
         previous = 0
         for step in self.checkpoint_steps:
             if step <= previous:
-                raise ValueError(
+                raise SchedulerConfigError(
                     f"total_steps={self.total_steps} is too small for "
                     f"num_checkpoints={self.num_checkpoints}: checkpoints would fall at "
                     f"{self.checkpoint_steps}. Use at least 4 total steps, or num_checkpoints=1."
@@ -209,6 +209,15 @@ class WSDLrScheduler(StatefulSchedulerBase):
         index = next((i for i, end in enumerate(checkpoints) if num_updates < end), 0)
         start = 0 if index == 0 else checkpoints[index - 1]
         return checkpoints[index] - start, num_updates - start
+
+    def _get_checkpoint_info(self, num_updates: int) -> Tuple[int, int]:
+        """pytorch-accelerated's name for :meth:`_period_position`, which its users' tests call."""
+        return self._period_position(num_updates)
+
+    # pytorch-accelerated memoised this method with ``lru_cache`` and its callers clear that
+    # cache; fasttrain caches nothing (a loaded state changes the checkpoints), so clearing has
+    # nothing to do
+    _get_checkpoint_info.cache_clear = lambda: None
 
     # --- values --------------------------------------------------------------------------
 

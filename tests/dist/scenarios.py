@@ -278,6 +278,10 @@ def train_case(name: str, world: int, engine: str = "eager") -> dict:
         "all_reduce_rounds": counter.rounds if counter else None,
         "all_reduce_calls": counter.calls if counter else None,
         "epoch_end_global_means": dict(recorder.epoch_end_global_means),
+        "loader_devices": [
+            str(loader.device) for loader in (trainer._train_dataloader, trainer._eval_dataloader) if loader is not None
+        ],
+        "device": str(trainer.device),
     }
 
 
