@@ -65,6 +65,12 @@ class NonFiniteGuard:
         self._attached = False
         self._seen: Optional[str] = None  # a reason to stop not yet shared with other processes
         self._shared_at: Optional[int] = None  # the update count of the last shared decision
+        if self.checks_gradients and self._optimizer is not None:
+            # the flags exist before the first (compiled or captured) update reads them: a flag
+            # created inside the compiled update would recompile it once per run
+            params = [p for group in self._optimizer.param_groups for p in group["params"]]
+            if params:
+                self._buffers(params[0].device)
         if self.checks_gradients and not self.device_skip:
             self.allow_update = self._host_check
         else:
@@ -96,7 +102,8 @@ class NonFiniteGuard:
         found_inf = self._buffers(grads[0].device)
         found_inf.zero_()  # the kernels only ever raise the flag
         if enabled:
-            clipper.found_inf = found_inf
+            if clipper.found_inf is not found_inf:
+                clipper.found_inf = found_inf
             norm = clipper()
         else:
             from fasttrain import kernels
