@@ -102,6 +102,7 @@ class Trainer:
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
+        validation.compile_options(compile_options, engine)
         validation.trainer_options(
             nonfinite=nonfinite,
             interrupt_save_dir=interrupt_save_dir,

@@ -94,6 +94,43 @@ class CompileSettings:
         return kwargs
 
 
+#: inductor modes whose only or partial effect is inductor's own CUDA graphs, and the variant that
+#: keeps the rest of the mode without them
+_WITHOUT_INDUCTOR_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def _asks_for_inductor_graphs(settings: CompileSettings) -> bool:
+    return settings.mode in _WITHOUT_INDUCTOR_GRAPHS or bool(dict(settings.options or ()).get("triton.cudagraphs"))
+
+
+def settings_for_engine(settings: CompileSettings, engine_name: str) -> CompileSettings:
+    """The settings an engine compiles with: never with inductor's own CUDA graphs.
+
+    Inductor's graphs (``mode="reduce-overhead"``, ``"max-autotune"``, option
+    ``triton.cudagraphs``) write each call's outputs into memory the next call overwrites, while
+    fasttrain keeps per-step losses and norms on the device until the flush; and inside the
+    graphed engine's capture they would be a graph inside a graph. So "max-autotune" becomes
+    "max-autotune-no-cudagraphs" (the autotuning is kept) everywhere, and "reduce-overhead",
+    whose whole effect is inductor's graphs, is what ``engine="cudagraph"`` does for the whole
+    step: the graphed engine (and ``"auto"``, which may pick it) compile without it, and
+    ``engine="compiled"`` refuses it (raised at ``Trainer`` construction).
+    """
+    if not _asks_for_inductor_graphs(settings):
+        return settings
+    if engine_name == "compiled" and (settings.mode == "reduce-overhead" or settings.options is not None):
+        raise ValueError(
+            "compile_options asks for inductor's CUDA graphs (mode='reduce-overhead' or "
+            "options={'triton.cudagraphs': True}), whose outputs are overwritten by the next call "
+            "while fasttrain still holds them until the flush. Use engine='cudagraph' (or 'auto'), "
+            "which captures the whole step in CUDA graphs itself, or drop the option."
+        )
+    mode = _WITHOUT_INDUCTOR_GRAPHS.get(settings.mode, settings.mode)
+    options = settings.options
+    if options is not None:
+        options = tuple(sorted({**dict(options), "triton.cudagraphs": False}.items()))
+    return dataclasses.replace(settings, mode=mode, options=options)
+
+
 # ---------------------------------------------------------------------------- compiled bodies
 def _train_forward(trainer, batch):
     batch_output = trainer.calculate_train_batch_loss(batch)
@@ -172,9 +209,12 @@ class CompiledEngine(StepEngine):
     #: which a tensor learning rate needs with the foreach implementation
     capturable_optimizer = True
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, settings: Optional[CompileSettings] = None):
         super().__init__(trainer)
-        self.settings = CompileSettings.from_options(getattr(trainer, "compile_options", None))
+        if settings is None:
+            settings = CompileSettings.from_options(getattr(trainer, "compile_options", None))
+        # a fallback is handed the settings of the engine it replaces, already made safe there
+        self.settings = settings_for_engine(settings, self.name)
         self._functions: Optional[_CompiledFunctions] = None
         self._hparams: Optional[TensorHyperparams] = None
         self._train_fallback: Optional[StepEngine] = None
@@ -235,7 +275,12 @@ class CompiledEngine(StepEngine):
 
     # ------------------------------------------------------------------ fallback
     def _make_fallback(self, engine_cls) -> StepEngine:
-        engine = engine_cls(self.trainer)
+        if issubclass(engine_cls, CompiledEngine):
+            # the settings this engine runs with, not the trainer's again: those may ask for
+            # what this engine had to leave out (inductor's CUDA graphs)
+            engine = engine_cls(self.trainer, settings=self.settings)
+        else:
+            engine = engine_cls(self.trainer)
         engine.setup()
         return engine
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
@@ -71,24 +70,14 @@ def _host_syncs_raise():
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _graph_settings(settings: CompileSettings) -> CompileSettings:
-    # The engine captures the graphs itself: inductor must not capture its own inside ours.
-    mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(settings.mode, settings.mode)
-    options = settings.options
-    if options is not None and dict(options).get("triton.cudagraphs"):
-        options = tuple(sorted({**dict(options), "triton.cudagraphs": False}.items()))
-    return replace(settings, mode=mode, options=options)
-
-
 class CudaGraphEngine(CompiledEngine):
     """Replays captured CUDA graphs of whole micro-steps; see the module docstring."""
 
     name = "cudagraph"
     setup_fallback = CompiledEngine
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        self.settings = _graph_settings(self.settings)
+    def __init__(self, trainer, settings: Optional[CompileSettings] = None):
+        super().__init__(trainer, settings)
         self._train_graphs: Dict[bool, CapturedStep] = {}
         self._eval_graph: Optional[CapturedStep] = None
         self._static: Optional[StaticBatch] = None
