@@ -44,6 +44,7 @@ from fasttrain.engine.compiled import (
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, inner_optimizer
 from fasttrain.engine.snapshot import ReferenceSnapshot
+from fasttrain.kernels import hold_chunk_tables
 
 #: compiled runs of one batch shape before it is captured (the first compiles)
 WARMUP_STEPS_PER_SHAPE = 2
@@ -253,7 +254,9 @@ class CudaGraphEngine(CompiledEngine):
         references = ReferenceSnapshot(optimizer)
         grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
         try:
-            graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update))
+            # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
+            with hold_chunk_tables() as tables:
+                graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update))
             if any(p.grad is not grad for p, grad in grads):
                 raise _CaptureRefused(
                     "a hook replaced or removed gradient tensors during capture; call "
@@ -266,7 +269,7 @@ class CudaGraphEngine(CompiledEngine):
             self._drop_graphs()
             self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
             return self.train_step(batch, update)
-        self._train_graphs[update] = CapturedStep(graph, batch_output, norm, self._train_ring)
+        self._train_graphs[update] = CapturedStep(graph, batch_output, norm, self._train_ring, tables)
         self._graphed_model = self.trainer.model
         return self._replay(self._train_graphs[update], batch, update)
 
