@@ -40,6 +40,7 @@ import torch
 from fasttrain.engine.base import StepEngine
 from fasttrain.engine.eager import EagerEngine
 from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
+from fasttrain.engine import recompile_limit
 from fasttrain.engine.snapshot import StepSnapshot
 
 COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
@@ -163,7 +164,9 @@ class _CompiledFunctions:
     def __init__(self, settings: CompileSettings):
         self.settings = settings
         self.train_forward = torch.compile(_private_copy(_train_forward), **settings.kwargs())
-        self.update = torch.compile(_private_copy(_update), **settings.kwargs(fullgraph=False))
+        self.update = torch.compile(
+            _private_copy(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
+        )
         self.eval_forward = torch.compile(_private_copy(_eval_forward), **settings.kwargs())
 
 
@@ -222,6 +225,7 @@ class CompiledEngine(StepEngine):
         self._trusted = False
         self.training = True
         self._warned_settings = False
+        self._hits_seen = 0
         #: the hook running now, named in fallback warnings
         self._hook = "calculate_train_batch_loss"
 
@@ -240,7 +244,10 @@ class CompiledEngine(StepEngine):
                 # the backward overlap it. fullgraph=True would refuse that, falling back to eager.
                 self.settings = dataclasses.replace(self.settings, fullgraph=False)
             self._functions = compiled_functions(trainer, self.settings)
+        recompile_limit.install()
+        self._hits_seen = recompile_limit.hit_count()
         if training and train_reason is None and trainer.optimizer is not None:
+            recompile_limit.reserve_for(inner_optimizer(trainer.optimizer))
             self._hparams = TensorHyperparams(trainer.optimizer, capturable=self.capturable_optimizer)
             self._hparams.apply()
         warn = not self.quiet_setup_fallback
@@ -384,7 +391,21 @@ class CompiledEngine(StepEngine):
                 raise _ForwardFailed(error) from error
         if update:
             self._compiled_update()
+        if recompile_limit.hit_count() != self._hits_seen:
+            self._limit_hit(training=True)
         return batch_output
+
+    def _limit_hit(self, training: bool) -> None:
+        # Dynamo now runs some function of this step uncompiled, silently: the step that just ran
+        # is correct, but the next ones would be part eager (with the tensor hyperparameters of a
+        # compiled step: a host read per step). Say so, and run the plain eager engine instead.
+        hits = recompile_limit.new_hits(self._hits_seen)
+        self._hits_seen = recompile_limit.hit_count()
+        reason = f"{hits[0]}; it runs that function uncompiled from now on"
+        if training:
+            self._fall_back_train(None, reason, EagerEngine, redo=False)
+        else:
+            self._fall_back_eval(None, reason, EagerEngine, redo=False)
 
     def _compiled_update(self) -> None:
         trainer = self.trainer
@@ -435,12 +456,15 @@ class CompiledEngine(StepEngine):
         if fallback is not None:
             return fallback.eval_step(batch)
         try:
-            return self._functions.eval_forward(self.trainer, batch)
+            batch_output = self._functions.eval_forward(self.trainer, batch)
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
             if _is_control_flow(error):
                 raise
             self._fall_back_eval("calculate_eval_batch_loss", describe_error(error), EagerEngine)
             return self.eval_step(batch)
+        if recompile_limit.hit_count() != self._hits_seen:
+            self._limit_hit(training=False)
+        return batch_output
 
 
 class _ForwardFailed(Exception):
