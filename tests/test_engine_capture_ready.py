@@ -5,13 +5,16 @@ Runs the graphed engine's logic on the CPU with the host stand-ins of test_engin
 
 from __future__ import annotations
 
+import functools
 import warnings
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from test_engine_graph_logic import AOT, HostGraphEngine, _ours, host_graphs, mlp_case  # noqa: F401
 from engine_cases import run
+from fasttrain import Trainer
 
 
 class CountingCaptures(HostGraphEngine):
@@ -26,13 +29,16 @@ class CountingCaptures(HostGraphEngine):
         return result
 
 
-def test_nothing_compiles_during_capture_or_after_the_first_epoch(monkeypatch):
-    from fasttrain.engine import ENGINES
+@pytest.mark.parametrize("nonfinite", ["stop", "skip"])
+def test_nothing_compiles_during_capture_or_after_the_first_epoch(monkeypatch, nonfinite):
+    from fasttrain.engine import ENGINES, masked_step
 
     monkeypatch.setitem(ENGINES, "cudagraph", CountingCaptures)
+    # "skip" as on a GPU: the first update checks on the host, later ones mask on the device
+    monkeypatch.setattr(masked_step, "host_read_is_free", lambda device: False)
     CountingCaptures.frames_in_captures = []
     # 70 samples / 8: a partial last batch of 6; accumulation 2
-    case = mlp_case(epochs=3)
+    case = mlp_case(epochs=3, trainer_cls=functools.partial(Trainer, nonfinite=nonfinite))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = run(case, "cudagraph", AOT)

@@ -49,6 +49,8 @@ from fasttrain.kernels import hold_chunk_tables
 
 #: compiled runs of one batch shape before it is captured (the first compiles)
 WARMUP_STEPS_PER_SHAPE = 2
+#: updates run (compiled) before the update graph is captured
+WARMUP_UPDATES = 2
 #: micro-steps before the first capture; PyTorch's capture guide warms up three iterations
 MIN_WARMUP_STEPS = 3
 #: captures again after a hook changed what a graph was captured with, before the engine stops
@@ -207,9 +209,12 @@ class CudaGraphEngine(CompiledEngine):
             return False
 
     def _ready_to_capture(self, update: bool, signature) -> bool:
+        # The update graph waits for a second warm update: the first creates the optimizer
+        # state and may take another path through the hooks (nonfinite="skip" checks it on the
+        # host until the state exists), so the second is the first to compile what is captured.
         return (
             self._warm_steps >= MIN_WARMUP_STEPS
-            and self._warm_updates >= 1
+            and self._warm_updates >= (WARMUP_UPDATES if update else 1)
             and self._warm[signature] >= WARMUP_STEPS_PER_SHAPE
             and not self._is_last_batch()  # the last batch may be partial: never capture it
         )
