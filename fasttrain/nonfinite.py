@@ -10,8 +10,13 @@
   ``trainer.skipped_updates`` counts them. The gradients are checked on the device once per
   update by the fused clipping kernels (which also clip when clipping is configured). Fused
   ``torch.optim`` optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``) read the flag in their
-  kernel, as with ``torch.amp.GradScaler``: a skip without synchronisation. Other optimizers
-  need the flag on the host: one synchronisation per update.
+  kernel, as with ``torch.amp.GradScaler``: a skip without synchronisation. SGD, Adam and AdamW
+  on a GPU (Adam/AdamW with ``capturable=True``, which the compiled and graphed engines set)
+  copy their parameters and state before the step and put the copy back where the flag is
+  raised (:mod:`fasttrain.engine.masked_step`): no synchronisation either, and the graphed engine
+  captures it; the very first update of a run, which creates the optimizer state, is checked on
+  the host. Other optimizers (and everything on the CPU, where reading the flag costs nothing)
+  read the flag on the host: one synchronisation per update on a GPU.
 * ``"ignore"``: no checks; non-finite values flow into the weights.
 
 With fp16 loss scaling the scaler already skips non-finite updates, in its own way; "skip" then
@@ -27,6 +32,7 @@ import torch
 
 from fasttrain.callbacks import StopTrainingError
 from fasttrain.engine.clipping import gradients_of
+from fasttrain.engine.masked_step import masked_step_for
 from fasttrain.signals import share_stop_decisions
 
 POLICIES = ("stop", "skip", "ignore")
@@ -65,7 +71,22 @@ class NonFiniteGuard:
         self._attached = False
         self._seen: Optional[str] = None  # a reason to stop not yet shared with other processes
         self._shared_at: Optional[int] = None  # the update count of the last shared decision
-        if self.checks_gradients and not self.device_skip:
+        if self.checks_gradients and self._optimizer is not None:
+            # the flags exist before the first (compiled or captured) update reads them: a flag
+            # created inside the compiled update would recompile it once per run
+            params = [p for group in self._optimizer.param_groups for p in group["params"]]
+            if params:
+                self._buffers(params[0].device)
+        #: SGD/Adam/AdamW on a device: the update is undone on the device where the flag is
+        #: raised (fasttrain/engine/masked_step.py), so the graphed engine can capture it
+        self._masked = (
+            masked_step_for(self._optimizer, self.found_inf)
+            if self.checks_gradients and not self.device_skip
+            else None
+        )
+        if self._masked is not None:
+            self.allow_update = self._masked_or_host_check
+        elif self.checks_gradients and not self.device_skip:
             self.allow_update = self._host_check
         else:
             self.allow_update = self._always
@@ -74,6 +95,13 @@ class NonFiniteGuard:
     @staticmethod
     def _always() -> bool:
         return True
+
+    def _masked_or_host_check(self) -> bool:
+        masked = self._masked
+        # host-only: the state exists after the first applied update; until then the step
+        # creates it, which a copy cannot undo
+        masked.armed = masked.ready()
+        return True if masked.armed else self._host_check()
 
     def _host_check(self) -> bool:
         if self.found_inf is None:  # no gradients this update
@@ -96,7 +124,8 @@ class NonFiniteGuard:
         found_inf = self._buffers(grads[0].device)
         found_inf.zero_()  # the kernels only ever raise the flag
         if enabled:
-            clipper.found_inf = found_inf
+            if clipper.found_inf is not found_inf:
+                clipper.found_inf = found_inf
             norm = clipper()
         else:
             from fasttrain import kernels
@@ -112,6 +141,8 @@ class NonFiniteGuard:
         if self.found_inf is None or self.found_inf.device != device:
             self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
             self.pending_skips = torch.zeros(1, dtype=torch.float32, device=device)
+            if getattr(self, "_masked", None) is not None:
+                self._masked.found_inf = self.found_inf
             if self.device_skip:
                 # read by the fused kernel of every step (torch.amp.GradScaler's contract); the
                 # step counter of a skipped update is rolled back there too. 0-d, as the
@@ -184,6 +215,8 @@ class NonFiniteGuard:
     def close(self) -> None:
         """Detach the flag from the optimizer, so that steps taken outside ``train()`` are not
         skipped by a stale value."""
+        if self._masked is not None:
+            self._masked.remove()
         if self._attached:
             try:
                 del self._optimizer.found_inf

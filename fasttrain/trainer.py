@@ -120,6 +120,7 @@ class Trainer(ForwardBackwardHelper):
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
+        validation.compile_options(compile_options, engine)
         validation.trainer_options(
             nonfinite=nonfinite,
             interrupt_save_dir=interrupt_save_dir,

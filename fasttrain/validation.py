@@ -39,6 +39,16 @@ def engine_name(value) -> None:
         raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINE_NAMES))}; got {value!r}")
 
 
+def compile_options(options, engine: str) -> None:
+    """``Trainer(compile_options=...)`` for ``engine``: unknown keys, bad values and modes the
+    engine cannot run with fail at construction, not when ``train()`` sets the engine up."""
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"compile_options must be a dict of torch.compile arguments; got {type(options).__name__}")
+    from fasttrain.engine.compiled import CompileSettings, settings_for_engine
+
+    settings_for_engine(CompileSettings.from_options(options), engine)
+
+
 def trainer_options(*, nonfinite, interrupt_save_dir, handle_signals, resume_data_skip) -> None:
     """The reliability options of ``Trainer.__init__``."""
     one_of("nonfinite", nonfinite, NONFINITE_POLICIES)

@@ -10,6 +10,7 @@ from .clip_norm import (
     clip_grad_norm_,
     clip_grad_norm_reference,
     clip_grad_norm_triton,
+    hold_chunk_tables,
     triton_available,
     triton_interpreted,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "clip_grad_value_",
     "clip_grad_value_reference",
     "clip_grad_value_triton",
+    "hold_chunk_tables",
     "reset_counters_",
     "triton_available",
     "triton_interpreted",

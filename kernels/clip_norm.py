@@ -25,7 +25,8 @@ Launch plan (``N`` = total gradient bytes, ``C`` = number of chunks):
 Total: ``3N`` bytes when clipping, ``N`` when the norm is within ``max_norm``; torch's foreach
 path moves ``3N`` in both cases. No step reads a device value on the host: the table depends only
 on addresses, sizes and dtypes, and is built once per set of gradient tensors (call once before
-CUDA graph capture so the capture finds it cached).
+CUDA graph capture so the capture finds it cached, and capture inside :func:`hold_chunk_tables`
+so the graph keeps the tables it points at).
 
 This module also holds the multi-tensor machinery that ``clip_value`` reuses.
 """
@@ -52,6 +53,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_norm_reference",
     "clip_grad_norm_triton",
+    "hold_chunk_tables",
     "triton_available",
     "triton_interpreted",
 ]
@@ -309,6 +311,32 @@ class ChunkTable:
 
 
 _TABLE_CACHE: "collections.OrderedDict[tuple, ChunkTable]" = collections.OrderedDict()
+#: the lists of :func:`hold_chunk_tables` blocks now open
+_HOLDERS: List[List[ChunkTable]] = []
+
+
+@contextlib.contextmanager
+def hold_chunk_tables():
+    """Collect every chunk table the kernels use inside the block into the yielded list.
+
+    A CUDA graph captured in the block keeps each table's device address, and the cache below
+    keeps only the last few tables: once a table is evicted, its memory returns to the caching
+    allocator and a later replay would read whatever was put there. Whoever keeps the graph keeps
+    this list with it, so the tables live exactly as long as the graph.
+    """
+    held: List[ChunkTable] = []
+    _HOLDERS.append(held)
+    try:
+        yield held
+    finally:
+        _HOLDERS.remove(held)
+
+
+def _held(entry: ChunkTable) -> ChunkTable:
+    for held in _HOLDERS:
+        if not any(e is entry for e in held):
+            held.append(entry)
+    return entry
 
 
 def chunk_table(grads: Sequence[Tensor], chunk: int) -> ChunkTable:
@@ -322,7 +350,7 @@ def chunk_table(grads: Sequence[Tensor], chunk: int) -> ChunkTable:
     entry = _TABLE_CACHE.get(key)
     if entry is not None:
         _TABLE_CACHE.move_to_end(key)
-        return entry
+        return _held(entry)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "fused clipping: the gradient table for these tensors is not built yet and cannot be "
@@ -349,8 +377,9 @@ def chunk_table(grads: Sequence[Tensor], chunk: int) -> ChunkTable:
     entry = ChunkTable(table, len(addrs), aligned)
     _TABLE_CACHE[key] = entry
     if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        # only the cache's reference goes: a table a graph uses is also in its holder's list
         _TABLE_CACHE.popitem(last=False)
-    return entry
+    return _held(entry)
 
 
 def check_sizes(chunk_size: int, block_size: int) -> None:

@@ -121,11 +121,11 @@ def test_graphed_steps_match_eager_and_replay_from_the_ring():
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
     assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
-    # 70 samples / 8 = 9 batches (the last of 6) x 3 epochs = 27 micro-steps: 3 warm-up steps
-    # (steps 0-2; step 3 is an update after one was warmed, so it is captured and replayed) and
+    # 70 samples / 8 = 9 batches (the last of 6) x 3 epochs = 27 micro-steps: 4 warm-up steps
+    # (steps 0-3, two of them updates; step 4 is captured and replayed, step 5 the update) and
     # the partial 9th batch of each epoch through the compiled path; the rest are replays
     train_replays = sum(step.graph.replays for step in engine._train_graphs.values())
-    assert train_replays == 27 - 3 - 3
+    assert train_replays == 27 - 4 - 3
     assert engine._eval_graph.graph.replays == 3 * 9 - 2 - 3  # 2 warm-up, 3 partial batches
     assert_runs_match(eager, graphed)
 

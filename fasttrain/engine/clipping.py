@@ -17,6 +17,14 @@ def gradients_of(parameters) -> List[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
+def flag_on_device_of(parameters) -> Optional[torch.Tensor]:
+    """A zeroed one-element float32 flag on the device of the first of ``parameters`` (None when
+    there are none), the form the clipping kernels raise as ``found_inf``."""
+    for p in parameters:
+        return torch.zeros(1, dtype=torch.float32, device=p.device)
+    return None
+
+
 class GradientClipper:
     """Clips the gradients of a fixed set of parameters by value and/or by global norm."""
 
@@ -27,8 +35,10 @@ class GradientClipper:
         self.clip_value = clip_value
         self.clip_norm = clip_norm
         self.enabled = clip_value is not None or clip_norm is not None
-        # set to 1 by the kernels when a gradient is not finite; read only at flushes
-        self.found_inf: Optional[torch.Tensor] = None
+        # set to 1 by the kernels when a gradient is not finite; read only at flushes. Made here,
+        # at set-up: created lazily inside the compiled update, its ``is None`` test became a guard
+        # that failed on the second update and recompiled it (inside a CUDA graph capture, even)
+        self.found_inf: Optional[torch.Tensor] = flag_on_device_of(self.parameters)
 
     def __call__(self) -> Optional[torch.Tensor]:
         """Clip in place; returns the total norm (before clipping) when clipping by norm."""

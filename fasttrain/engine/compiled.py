@@ -40,6 +40,7 @@ import torch
 from fasttrain.engine.base import StepEngine
 from fasttrain.engine.eager import EagerEngine
 from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
+from fasttrain.engine import recompile_limit
 from fasttrain.engine.snapshot import StepSnapshot
 
 COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
@@ -94,6 +95,43 @@ class CompileSettings:
         return kwargs
 
 
+#: inductor modes whose only or partial effect is inductor's own CUDA graphs, and the variant that
+#: keeps the rest of the mode without them
+_WITHOUT_INDUCTOR_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def _asks_for_inductor_graphs(settings: CompileSettings) -> bool:
+    return settings.mode in _WITHOUT_INDUCTOR_GRAPHS or bool(dict(settings.options or ()).get("triton.cudagraphs"))
+
+
+def settings_for_engine(settings: CompileSettings, engine_name: str) -> CompileSettings:
+    """The settings an engine compiles with: never with inductor's own CUDA graphs.
+
+    Inductor's graphs (``mode="reduce-overhead"``, ``"max-autotune"``, option
+    ``triton.cudagraphs``) write each call's outputs into memory the next call overwrites, while
+    fasttrain keeps per-step losses and norms on the device until the flush; and inside the
+    graphed engine's capture they would be a graph inside a graph. So "max-autotune" becomes
+    "max-autotune-no-cudagraphs" (the autotuning is kept) everywhere, and "reduce-overhead",
+    whose whole effect is inductor's graphs, is what ``engine="cudagraph"`` does for the whole
+    step: the graphed engine (and ``"auto"``, which may pick it) compile without it, and
+    ``engine="compiled"`` refuses it (raised at ``Trainer`` construction).
+    """
+    if not _asks_for_inductor_graphs(settings):
+        return settings
+    if engine_name == "compiled" and (settings.mode == "reduce-overhead" or settings.options is not None):
+        raise ValueError(
+            "compile_options asks for inductor's CUDA graphs (mode='reduce-overhead' or "
+            "options={'triton.cudagraphs': True}), whose outputs are overwritten by the next call "
+            "while fasttrain still holds them until the flush. Use engine='cudagraph' (or 'auto'), "
+            "which captures the whole step in CUDA graphs itself, or drop the option."
+        )
+    mode = _WITHOUT_INDUCTOR_GRAPHS.get(settings.mode, settings.mode)
+    options = settings.options
+    if options is not None:
+        options = tuple(sorted({**dict(options), "triton.cudagraphs": False}.items()))
+    return dataclasses.replace(settings, mode=mode, options=options)
+
+
 # ---------------------------------------------------------------------------- compiled bodies
 def _train_forward(trainer, batch):
     batch_output = trainer.calculate_train_batch_loss(batch)
@@ -126,7 +164,9 @@ class _CompiledFunctions:
     def __init__(self, settings: CompileSettings):
         self.settings = settings
         self.train_forward = torch.compile(_private_copy(_train_forward), **settings.kwargs())
-        self.update = torch.compile(_private_copy(_update), **settings.kwargs(fullgraph=False))
+        self.update = torch.compile(
+            _private_copy(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
+        )
         self.eval_forward = torch.compile(_private_copy(_eval_forward), **settings.kwargs())
 
 
@@ -172,9 +212,12 @@ class CompiledEngine(StepEngine):
     #: which a tensor learning rate needs with the foreach implementation
     capturable_optimizer = True
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, settings: Optional[CompileSettings] = None):
         super().__init__(trainer)
-        self.settings = CompileSettings.from_options(getattr(trainer, "compile_options", None))
+        if settings is None:
+            settings = CompileSettings.from_options(getattr(trainer, "compile_options", None))
+        # a fallback is handed the settings of the engine it replaces, already made safe there
+        self.settings = settings_for_engine(settings, self.name)
         self._functions: Optional[_CompiledFunctions] = None
         self._hparams: Optional[TensorHyperparams] = None
         self._train_fallback: Optional[StepEngine] = None
@@ -182,6 +225,7 @@ class CompiledEngine(StepEngine):
         self._trusted = False
         self.training = True
         self._warned_settings = False
+        self._hits_seen = 0
         #: the hook running now, named in fallback warnings
         self._hook = "calculate_train_batch_loss"
 
@@ -200,7 +244,10 @@ class CompiledEngine(StepEngine):
                 # the backward overlap it. fullgraph=True would refuse that, falling back to eager.
                 self.settings = dataclasses.replace(self.settings, fullgraph=False)
             self._functions = compiled_functions(trainer, self.settings)
+        recompile_limit.install()
+        self._hits_seen = recompile_limit.hit_count()
         if training and train_reason is None and trainer.optimizer is not None:
+            recompile_limit.reserve_for(inner_optimizer(trainer.optimizer))
             self._hparams = TensorHyperparams(trainer.optimizer, capturable=self.capturable_optimizer)
             self._hparams.apply()
         warn = not self.quiet_setup_fallback
@@ -235,7 +282,12 @@ class CompiledEngine(StepEngine):
 
     # ------------------------------------------------------------------ fallback
     def _make_fallback(self, engine_cls) -> StepEngine:
-        engine = engine_cls(self.trainer)
+        if issubclass(engine_cls, CompiledEngine):
+            # the settings this engine runs with, not the trainer's again: those may ask for
+            # what this engine had to leave out (inductor's CUDA graphs)
+            engine = engine_cls(self.trainer, settings=self.settings)
+        else:
+            engine = engine_cls(self.trainer)
         engine.setup()
         return engine
 
@@ -339,7 +391,21 @@ class CompiledEngine(StepEngine):
                 raise _ForwardFailed(error) from error
         if update:
             self._compiled_update()
+        if recompile_limit.hit_count() != self._hits_seen:
+            self._limit_hit(training=True)
         return batch_output
+
+    def _limit_hit(self, training: bool) -> None:
+        # Dynamo now runs some function of this step uncompiled, silently: the step that just ran
+        # is correct, but the next ones would be part eager (with the tensor hyperparameters of a
+        # compiled step: a host read per step). Say so, and run the plain eager engine instead.
+        hits = recompile_limit.new_hits(self._hits_seen)
+        self._hits_seen = recompile_limit.hit_count()
+        reason = f"{hits[0]}; it runs that function uncompiled from now on"
+        if training:
+            self._fall_back_train(None, reason, EagerEngine, redo=False)
+        else:
+            self._fall_back_eval(None, reason, EagerEngine, redo=False)
 
     def _compiled_update(self) -> None:
         trainer = self.trainer
@@ -390,12 +456,15 @@ class CompiledEngine(StepEngine):
         if fallback is not None:
             return fallback.eval_step(batch)
         try:
-            return self._functions.eval_forward(self.trainer, batch)
+            batch_output = self._functions.eval_forward(self.trainer, batch)
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
             if _is_control_flow(error):
                 raise
             self._fall_back_eval("calculate_eval_batch_loss", describe_error(error), EagerEngine)
             return self.eval_step(batch)
+        if recompile_limit.hit_count() != self._hits_seen:
+            self._limit_hit(training=False)
+        return batch_output
 
 
 class _ForwardFailed(Exception):

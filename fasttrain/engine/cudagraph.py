@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
@@ -43,13 +42,20 @@ from fasttrain.engine.compiled import (
     overrides_hook,
 )
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
-from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, inner_optimizer
+from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
+from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
+from fasttrain.kernels import hold_chunk_tables
 
 #: compiled runs of one batch shape before it is captured (the first compiles)
 WARMUP_STEPS_PER_SHAPE = 2
+#: updates run (compiled) before the update graph is captured
+WARMUP_UPDATES = 2
 #: micro-steps before the first capture; PyTorch's capture guide warms up three iterations
 MIN_WARMUP_STEPS = 3
+#: captures again after a hook changed what a graph was captured with, before the engine stops
+#: capturing (a change made at every step would otherwise re-capture forever)
+MAX_RECAPTURES = 3
 #: batch shapes other than the captured one that may run through the compiled path (the last
 #: partial batch of the training and of the evaluation epoch) before shapes count as dynamic
 MAX_OFF_GRAPH_SHAPES = 1
@@ -71,24 +77,14 @@ def _host_syncs_raise():
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _graph_settings(settings: CompileSettings) -> CompileSettings:
-    # The engine captures the graphs itself: inductor must not capture its own inside ours.
-    mode = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}.get(settings.mode, settings.mode)
-    options = settings.options
-    if options is not None and dict(options).get("triton.cudagraphs"):
-        options = tuple(sorted({**dict(options), "triton.cudagraphs": False}.items()))
-    return replace(settings, mode=mode, options=options)
-
-
 class CudaGraphEngine(CompiledEngine):
     """Replays captured CUDA graphs of whole micro-steps; see the module docstring."""
 
     name = "cudagraph"
     setup_fallback = CompiledEngine
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        self.settings = _graph_settings(self.settings)
+    def __init__(self, trainer, settings: Optional[CompileSettings] = None):
+        super().__init__(trainer, settings)
         self._train_graphs: Dict[bool, CapturedStep] = {}
         self._eval_graph: Optional[CapturedStep] = None
         self._static: Optional[StaticBatch] = None
@@ -108,6 +104,7 @@ class CudaGraphEngine(CompiledEngine):
         self._graphed_model = None
         self._eval_graphed_model = None
         self._last_trainable = ()
+        self._recaptures = 0
 
     # ------------------------------------------------------------------ setup
     def _device_reason(self) -> Optional[str]:
@@ -176,6 +173,7 @@ class CudaGraphEngine(CompiledEngine):
             return super().train_step(batch, update)
         if getattr(self.trainer, "_step_in_epoch", None) == 0:
             self._check_trainable()
+            self._check_model_parameters()
         signature = batch_signature(batch)
         captured = self._train_graphs.get(update)
         if captured is not None and signature == self._static.signature:
@@ -211,9 +209,12 @@ class CudaGraphEngine(CompiledEngine):
             return False
 
     def _ready_to_capture(self, update: bool, signature) -> bool:
+        # The update graph waits for a second warm update: the first creates the optimizer
+        # state and may take another path through the hooks (nonfinite="skip" checks it on the
+        # host until the state exists), so the second is the first to compile what is captured.
         return (
             self._warm_steps >= MIN_WARMUP_STEPS
-            and self._warm_updates >= 1
+            and self._warm_updates >= (WARMUP_UPDATES if update else 1)
             and self._warm[signature] >= WARMUP_STEPS_PER_SHAPE
             and not self._is_last_batch()  # the last batch may be partial: never capture it
         )
@@ -264,7 +265,9 @@ class CudaGraphEngine(CompiledEngine):
         references = ReferenceSnapshot(optimizer)
         grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
         try:
-            graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update))
+            # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
+            with hold_chunk_tables() as tables:
+                graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update))
             if any(p.grad is not grad for p, grad in grads):
                 raise _CaptureRefused(
                     "a hook replaced or removed gradient tensors during capture; call "
@@ -277,7 +280,8 @@ class CudaGraphEngine(CompiledEngine):
             self._drop_graphs()
             self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
             return self.train_step(batch, update)
-        self._train_graphs[update] = CapturedStep(graph, batch_output, norm, self._train_ring)
+        self._train_graphs[update] = CapturedStep(graph, batch_output, norm, self._train_ring, tables)
+        self._train_graphs[update].record = CaptureRecord(self.trainer.model, optimizer)
         self._graphed_model = self.trainer.model
         return self._replay(self._train_graphs[update], batch, update)
 
@@ -306,6 +310,8 @@ class CudaGraphEngine(CompiledEngine):
             self._drop_graphs()
             hparams.apply()
             return self.train_step(batch, update)
+        if not self._replay_safe(captured):
+            return self.train_step(batch, update)
         if update:
             hparams.sync()
         self._static.load(batch)
@@ -318,6 +324,54 @@ class CudaGraphEngine(CompiledEngine):
                 hparams.sync()
                 self._check_settings(hparams)
         return batch_output
+
+    def _replay_safe(self, captured: CapturedStep) -> bool:
+        # Host-only identity checks (replay_guard.py): a hook or callback between replays may
+        # have rebound gradients (put back, with the value it meant) or changed what the graph
+        # was captured with (captured again). A replay never runs on stale tensors.
+        record = captured.record
+        optimizer = inner_optimizer(self.trainer.optimizer)
+        reason = record.structure_change(optimizer)
+        if reason is None and record.grads_rebound():
+            reason = record.restore_grads()
+        if reason is None:
+            return True
+        self._recapture(reason, optimizer)
+        return False
+
+    def _check_model_parameters(self) -> None:
+        # walks the module tree, so once per epoch (with the requires_grad check) and not per replay
+        captured = next(iter(self._train_graphs.values()), None)
+        if captured is None or self.trainer.model is not self._graphed_model:
+            return
+        reason = captured.record.model_change(self.trainer.model)
+        if reason is not None:
+            # the evaluation graph's forward read the same parameters
+            self._eval_graph = self._eval_static = self._eval_graphed_model = None
+            self._eval_warm.clear()
+            self._eval_off_graph_shapes.clear()
+            self._recapture(reason, inner_optimizer(self.trainer.optimizer))
+
+    def _recapture(self, reason: str, optimizer) -> None:
+        self._drop_graphs()
+        self._recaptures += 1
+        if self._recaptures > MAX_RECAPTURES:
+            self._fall_back_train(
+                None,
+                f"{reason} between steps, {self._recaptures} times this run, and each change needs "
+                "the step captured again",
+                CompiledEngine,
+                redo=False,
+            )
+            return
+        if optimizer is not self._hparams.optimizer:
+            if not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
+                self._fall_back_train(
+                    None, f"{reason}, and {type(optimizer).__name__} has no capturable step", CompiledEngine, redo=False
+                )
+                return
+            self._hparams = TensorHyperparams(optimizer, capturable=self.capturable_optimizer)
+            self._hparams.apply()
 
     def on_settings_changed(self, changes) -> None:
         # The graph has the old value compiled in; the update that just ran used it correctly

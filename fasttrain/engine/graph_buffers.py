@@ -128,9 +128,15 @@ class StepRing:
 class CapturedStep:
     """One captured graph, the outputs it writes, and how to present them per replay."""
 
-    def __init__(self, graph, batch_output: dict, norm: Optional[torch.Tensor], ring: StepRing):
+    def __init__(self, graph, batch_output: dict, norm: Optional[torch.Tensor], ring: StepRing, tables=()):
         self.graph = graph
         self.ring = ring
+        #: device tables the graph's kernels read by address (the clip kernels' chunk tables):
+        #: held here so that no cache can free them while the graph may replay
+        self.tables = list(tables)
+        #: what a training graph was captured with (a :class:`~fasttrain.engine.replay_guard.
+        #: CaptureRecord`), checked before each replay; set by the engine
+        self.record = None
         # outputs are read by callbacks before the next replay; detach so they do not pin the
         # autograd graph recorded at capture time
         self.batch_output = {

@@ -39,8 +39,10 @@ class StepSnapshot:
             self._grads: List[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = [
                 (p, p.grad, _clone(p.grad)) for p in params
             ]
-            self._state: Dict[torch.Tensor, Dict[str, Tuple[object, object]]] = {
-                p: {k: (v, _clone(v)) for k, v in s.items()} for p, s in optimizer.state.items()
+            # the per-parameter dicts themselves are kept too: a captured graph's replay check
+            # compares them by identity, so an undone step must leave the same objects in place
+            self._state: Dict[torch.Tensor, Tuple[dict, Dict[str, Tuple[object, object]]]] = {
+                p: (s, {k: (v, _clone(v)) for k, v in s.items()}) for p, s in optimizer.state.items()
             }
             self._state_obj = optimizer.state
             self._groups_obj = optimizer.param_groups
@@ -66,13 +68,15 @@ class StepSnapshot:
             # state created lazily by the failed step (first optimizer step) is dropped
             for p in [p for p in opt.state if p not in self._state]:
                 del opt.state[p]
-            for p, entries in self._state.items():
+            for p, (entry, values) in self._state.items():
                 restored = {}
-                for k, (original, copy) in entries.items():
+                for k, (original, copy) in values.items():
                     if isinstance(original, torch.Tensor):
                         original.copy_(copy)
                     restored[k] = original
-                opt.state[p] = restored
+                entry.clear()
+                entry.update(restored)
+                opt.state[p] = entry
             for group, entries in self._groups:
                 for k, (original, copy) in entries.items():
                     if isinstance(original, torch.Tensor):

@@ -1,0 +1,109 @@
+"""An optimizer step that undoes itself on the device when a flag is raised.
+
+``nonfinite="skip"`` must not apply an update whose gradients are not all finite. Fused torch
+optimizers read the flag in their kernel; the others (foreach or single-tensor SGD, Adam, AdamW)
+cannot, and reading the flag on the host is a synchronisation per update, which a CUDA graph
+cannot even contain. :class:`MaskedStep` wraps their ``step`` with an optimizer step pre-hook
+that copies the parameters and their state, and a post-hook that writes the copies back where the
+flag is raised::
+
+    t <- where(found_inf > 0, copy_of_t, t)      for every parameter and state tensor
+
+``torch.where`` picks one of its inputs bit for bit, so a skipped update leaves parameters and
+state exactly as they were (the step counter included) and an applied one exactly as the step
+computed it. The cost is one copy of the parameters and their state per update, device work
+without a host read; it traces under ``torch.compile`` and records in a CUDA graph.
+
+The copy needs every parameter's state to exist: state created lazily by the step cannot be
+undone to "absent" (SGD's first momentum buffer is the gradient itself, not a function of a
+zero buffer). :meth:`ready` says whether it exists; until then the caller checks on the host.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+#: optimizers whose whole state is per-parameter tensors the masked copy covers
+MASKABLE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def maskable(optimizer) -> bool:
+    """True for SGD/Adam/AdamW that are not fused (fused ones skip in their kernel) and not
+    differentiable (whose step keeps autograd history a copy would cut)."""
+    if not isinstance(optimizer, MASKABLE_OPTIMIZERS):
+        return False
+    return not any(group.get("fused") or group.get("differentiable") for group in optimizer.param_groups)
+
+
+class MaskedStep:
+    """Hooks on ``optimizer`` that mask each step by ``found_inf`` (fp32, one element).
+
+    Active between construction and :meth:`remove`; a step taken while :attr:`armed` is False
+    (the host decided instead) is left alone.
+    """
+
+    def __init__(self, optimizer, found_inf: torch.Tensor):
+        self.optimizer = optimizer
+        self.found_inf = found_inf
+        self.armed = False
+        self._tensors: List[torch.Tensor] = []
+        self._copies: List[torch.Tensor] = []
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before),
+            optimizer.register_step_post_hook(self._after),
+        ]
+
+    def _params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def ready(self) -> bool:
+        """Every parameter with a gradient has its optimizer state (host-only dict look-ups)."""
+        state = self.optimizer.state
+        return all(state.get(p) for p in self._params())
+
+    def _before(self, optimizer, args, kwargs) -> None:
+        if not self.armed:
+            return
+        state = optimizer.state
+        tensors = []
+        for p in self._params():
+            tensors.append(p)
+            tensors.extend(v for v in state[p].values() if isinstance(v, torch.Tensor))
+        with torch.no_grad():
+            self._copies = [t.detach().clone() for t in tensors]
+        self._tensors = tensors
+
+    def _after(self, optimizer, args, kwargs) -> None:
+        if not self.armed or not self._tensors:
+            return
+        # every tensor is on the flag's device: masked_step_for() refuses host step counters
+        skip = self.found_inf.reshape(()) > 0
+        with torch.no_grad():
+            for tensor, copy in zip(self._tensors, self._copies):
+                tensor.copy_(torch.where(skip, copy, tensor))
+        self._tensors, self._copies = [], []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.armed = False
+
+
+def host_read_is_free(device: torch.device) -> bool:
+    """On the CPU reading a flag is a memory load, cheaper than copying parameters and state."""
+    return device.type == "cpu"
+
+
+def masked_step_for(optimizer, found_inf: Optional[torch.Tensor]) -> Optional[MaskedStep]:
+    """A :class:`MaskedStep` for ``optimizer`` where it saves a host read, else None: a maskable
+    optimizer off the CPU whose step counters live on the device (SGD has none; Adam/AdamW with
+    ``capturable=True``, which the compiled and graphed engines set on CUDA)."""
+    if found_inf is None or not maskable(optimizer) or host_read_is_free(found_inf.device):
+        return None
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and found_inf.device.type != "cpu":
+        if not all(group.get("capturable") for group in optimizer.param_groups):
+            return None  # a host step counter needs the flag on the host anyway: check it there
+    return MaskedStep(optimizer, found_inf)

@@ -1,0 +1,66 @@
+"""What exists before a capture: no compilation and no device allocation may happen inside one.
+
+Runs the graphed engine's logic on the CPU with the host stand-ins of test_engine_graph_logic.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from test_engine_graph_logic import AOT, HostGraphEngine, _ours, host_graphs, mlp_case  # noqa: F401
+from engine_cases import run
+from fasttrain import Trainer
+
+
+class CountingCaptures(HostGraphEngine):
+    """Records dynamo's frame count around each capture."""
+
+    frames_in_captures = []
+
+    def _capture(self, body):
+        before = counters["frames"]["total"]
+        result = super()._capture(body)
+        CountingCaptures.frames_in_captures.append(counters["frames"]["total"] - before)
+        return result
+
+
+@pytest.mark.parametrize("nonfinite", ["stop", "skip"])
+def test_nothing_compiles_during_capture_or_after_the_first_epoch(monkeypatch, nonfinite):
+    from fasttrain.engine import ENGINES, masked_step
+
+    monkeypatch.setitem(ENGINES, "cudagraph", CountingCaptures)
+    # "skip" as on a GPU: the first update checks on the host, later ones mask on the device
+    monkeypatch.setattr(masked_step, "host_read_is_free", lambda device: False)
+    CountingCaptures.frames_in_captures = []
+    # 70 samples / 8: a partial last batch of 6; accumulation 2
+    case = mlp_case(epochs=3, trainer_cls=functools.partial(Trainer, nonfinite=nonfinite))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(case, "cudagraph", AOT)
+    assert not _ours(caught), _ours(caught)
+    assert len(CountingCaptures.frames_in_captures) == 3  # update, non-update, evaluation
+    assert CountingCaptures.frames_in_captures == [0, 0, 0]
+    after = graphed.recorder.counts_after_epoch
+    assert after[0] == after[1] == after[2], after
+
+
+def test_the_clipping_and_skip_flags_exist_before_the_first_update():
+    from fasttrain.engine.clipping import GradientClipper
+    from fasttrain.nonfinite import NonFiniteGuard
+
+    model = torch.nn.Linear(3, 2)
+    clipper = GradientClipper(model.parameters(), clip_norm=1.0)
+    assert clipper.found_inf is not None and clipper.found_inf.tolist() == [0.0]
+    guard = NonFiniteGuard("skip", torch.optim.SGD(model.parameters(), lr=0.1))
+    assert guard.found_inf is not None and guard.pending_skips is not None
+    flag = guard.found_inf
+    model(torch.ones(1, 3)).sum().backward()
+    guard.clip(clipper)
+    guard.clip(clipper)
+    # one flag object for the whole run: the compiled update guards on what it reads
+    assert guard.found_inf is flag and clipper.found_inf is flag

@@ -1,0 +1,96 @@
+"""Many trainers in one process (the bench runs every peer in one): each gets a compiled update,
+and a function dynamo stops compiling is never a silent fallback."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fasttrain import Trainer
+from fasttrain.callbacks import TrainerCallback
+from fasttrain.engine import recompile_limit
+
+from engine_cases import MLP, vector_data
+
+# dynamo alone: the recompile limit is dynamo's, and this keeps ten trainers' compiles short
+DYNAMO_ONLY = {"backend": "eager"}
+
+
+def _ours(caught):
+    return [str(w.message) for w in caught if "fasttrain:" in str(w.message)]
+
+
+def _train(i, callbacks=(), engine="compiled"):
+    torch.manual_seed(i)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if i % 2 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(model, torch.nn.functional.cross_entropy, optimizer, engine=engine,
+                      compile_options=DYNAMO_ONLY, callbacks=list(callbacks))
+    trainer.train(vector_data(n=16), 1, per_device_batch_size=8, gradient_clip_norm=1.0,
+                  train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
+    return trainer
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
+    yield
+    torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit = limits
+    torch._dynamo.reset()
+
+
+def _many_trainers(count):
+    hits = recompile_limit.hit_count()
+    frames = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(count):
+            before = counters["frames"]["ok"]
+            trainer = _train(i)
+            frames.append(counters["frames"]["ok"] - before)
+            assert trainer._engine.active_engine == "compiled"
+    assert not _ours(caught), _ours(caught)
+    assert recompile_limit.hit_count() == hits, recompile_limit.new_hits(hits)
+    return frames
+
+
+@pytest.mark.slow
+def test_ten_trainers_each_compile_their_whole_update(fresh_dynamo):
+    frames = _many_trainers(10)
+    if recompile_limit.ISOLATES:
+        # every SGD trainer compiles as many frames as the first one, every AdamW trainer as the
+        # second: none runs part of its update uncompiled
+        assert frames[0::2] == [frames[0]] * 5 and frames[1::2] == [frames[1]] * 5, frames
+
+
+def test_without_isolation_the_limit_is_raised_per_optimizer(fresh_dynamo, monkeypatch):
+    # torch before 2.12: shared frames; a limit of 2 makes the third trainer meet it unless raised
+    monkeypatch.setattr(recompile_limit, "ISOLATES", False)
+    torch._dynamo.config.recompile_limit = 2
+    _many_trainers(4)
+    assert torch._dynamo.config.recompile_limit == 2 + 4
+
+
+def test_a_recompile_limit_hit_warns_once_and_runs_eager(fresh_dynamo):
+    class LimitHitAt(TrainerCallback):
+        def on_train_step_start(self, trainer, **kwargs):
+            if trainer._step_in_epoch == 1:
+                # what dynamo logs when it gives up on a function
+                logging.getLogger("torch._dynamo.convert_frame").warning(
+                    "torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s",
+                    "recompile_limit", 8, "'wrapper' (optimizer.py:509)", "___check_obj_id",
+                )
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _train(1, callbacks=[LimitHitAt()])
+    messages = _ours(caught)
+    assert len(messages) == 1 and "recompile_limit=8 for 'wrapper'" in messages[0] and "'eager'" in messages[0], messages
+    assert trainer._engine.active_engine == "eager"
+    # the eager engine steps with plain floats again (no host read of a tensor lr per step)
+    assert isinstance(trainer.optimizer.param_groups[0]["lr"], float)

@@ -1,0 +1,143 @@
+"""nonfinite="skip" without a host read: the update of SGD/Adam/AdamW masked on the device."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from fasttrain import Trainer
+from fasttrain.engine import masked_step
+from fasttrain.engine.clipping import GradientClipper
+from fasttrain.nonfinite import NonFiniteGuard
+
+from engine_cases import run
+from test_engine_graph_logic import AOT, _ours, host_graphs, mlp_case  # noqa: F401
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, amsgrad=True),
+}
+
+
+@pytest.fixture
+def device_like(monkeypatch):
+    # the CPU reads the flag for free, so the mask is used on devices only; here it is tested
+    monkeypatch.setattr(masked_step, "host_read_is_free", lambda device: False)
+
+
+def _state(model, optimizer):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in optimizer.state.values()]
+    return params, state
+
+
+def _assert_identical(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert len(sa) == len(sb)
+    for x, y in zip(sa, sb):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k], k
+
+
+def _backward(model, scale=1.0, poison=False):
+    model.zero_grad(set_to_none=False)
+    (model(torch.linspace(-1, 1, 12).reshape(3, 4)).square().sum() * scale).backward()
+    if poison:
+        next(model.parameters()).grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_masked_update_equals_the_step_or_leaves_everything_bit_identical(device_like, sync_counter, name):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    optimizer = OPTIMIZERS[name](model.parameters())
+    _backward(model)
+    optimizer.step()  # the state exists from here on
+    reference_model = copy.deepcopy(model)
+    reference = OPTIMIZERS[name](reference_model.parameters())
+    reference.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own state tensors
+
+    guard = NonFiniteGuard("skip", optimizer)
+    clipper = GradientClipper(model.parameters())
+    assert guard._masked is not None
+    for step, poison in enumerate([False, True, False, True, True, False]):
+        _backward(model, scale=1 + step, poison=poison)
+        _backward(reference_model, scale=1 + step)
+        before = _state(model, optimizer)
+        reads = sync_counter["n"]
+        guard.clip(clipper)
+        assert guard.allow_update() is True
+        assert sync_counter["n"] == reads  # the flag stays on the device
+        optimizer.step()
+        masked_reads = sync_counter["n"] - reads
+        if poison:
+            _assert_identical(_state(model, optimizer), before)
+        else:
+            reads = sync_counter["n"]
+            reference.step()
+            # the hooks add no host read (CPU Adam reads its own host step counter either way)
+            assert masked_reads == sync_counter["n"] - reads
+            _assert_identical(_state(model, optimizer), _state(reference_model, reference))
+    assert guard.pending_skips.tolist() == [3.0]
+    guard.close()
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+def test_the_first_update_is_checked_on_the_host_until_the_state_exists(device_like):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = NonFiniteGuard("skip", optimizer)
+    _backward(model, poison=True)
+    guard.clip(GradientClipper(model.parameters()))
+    assert guard.allow_update() is False and not guard._masked.armed  # no state yet: host check
+    assert not optimizer.state
+
+
+def test_fused_and_other_optimizers_are_not_masked(device_like):
+    model = torch.nn.Linear(4, 2)
+    assert NonFiniteGuard("skip", torch.optim.RMSprop(model.parameters()))._masked is None
+    assert NonFiniteGuard("skip", torch.optim.SGD(model.parameters(), lr=0.1, fused=True))._masked is None
+    assert NonFiniteGuard("stop", torch.optim.SGD(model.parameters(), lr=0.1))._masked is None
+
+
+def test_on_the_cpu_the_flag_is_read_on_the_host():
+    model = torch.nn.Linear(4, 2)
+    assert NonFiniteGuard("skip", torch.optim.SGD(model.parameters(), lr=0.1))._masked is None
+
+
+def _poisoned_vectors():
+    data = mlp_case().data()
+    x, y = data.tensors
+    x = x.clone()
+    x[58, 2] = float("nan")  # batch 7 of 9, an update: replayed from the captured graph
+    return TensorDataset(x, y)
+
+
+def test_the_graphed_engine_captures_the_masked_skip(device_like):
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=1)
+    case.data = _poisoned_vectors
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", AOT, eval_dataset=None)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    assert not _ours(caught), _ours(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert sum(g.graph.replays for g in engine._train_graphs.values()) > 0
+    assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 1
+    # the poisoned batch's loss is NaN in both runs; everything else, and the weights, agree
+    e, g = eager.recorder, graphed.recorder
+    assert sum(map(math.isnan, e.train)) == 1
+    torch.testing.assert_close(torch.tensor(g.train), torch.tensor(e.train), rtol=1e-4, atol=1e-5, equal_nan=True)
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+        assert torch.isfinite(graphed.state[key]).all()

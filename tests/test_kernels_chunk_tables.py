@@ -1,0 +1,97 @@
+"""Chunk tables used by a captured graph outlive the kernels' small table cache."""
+
+import gc
+import weakref
+
+import kernel_cases as C  # first: may set TRITON_INTERPRET before triton is imported
+import pytest
+import torch
+
+import fasttrain.kernels as K
+from fasttrain.kernels import clip_norm
+
+CACHE = clip_norm._TABLE_CACHE_SIZE
+
+
+def _flood_cache():
+    # more distinct gradient sets than the cache keeps; kept alive so no address is reused
+    others = [[torch.ones(5 + i)] for i in range(CACHE + 4)]
+    for grads in others:
+        clip_norm.chunk_table(grads, 256)
+    return others
+
+
+def _evicted_table(hold: bool):
+    grads = [torch.randn(300), torch.randn(7)]
+    if hold:
+        with K.hold_chunk_tables() as held:
+            table = clip_norm.chunk_table(grads, 256)
+    else:
+        held, table = [], clip_norm.chunk_table(grads, 256)
+    ref = weakref.ref(table.table)
+    assert not hold or held == [table]
+    del table
+    others = _flood_cache()
+    gc.collect()
+    assert all(entry.table is not ref() for entry in clip_norm._TABLE_CACHE.values())  # evicted
+    return grads, held, ref, others
+
+
+def test_an_unheld_table_is_freed_on_eviction():
+    # what a captured graph would meet without a holder: its table's memory is gone
+    _, _, ref, _ = _evicted_table(hold=False)
+    assert ref() is None
+
+
+def test_a_held_table_survives_eviction_and_still_describes_the_gradients():
+    grads, held, ref, _ = _evicted_table(hold=True)
+    assert ref() is not None and held[0].table is ref()
+    addresses = held[0].table[0].tolist()
+    assert addresses[0] == grads[0].data_ptr() and addresses[-1] == grads[1].data_ptr()
+    assert held[0].num_chunks == 3  # 300 elements in chunks of 256, and 7
+
+
+def test_holders_collect_cache_hits_once_and_only_inside_the_block():
+    grads = [torch.randn(40)]
+    first = clip_norm.chunk_table(grads, 256)
+    with K.hold_chunk_tables() as outer:
+        with K.hold_chunk_tables() as inner:
+            assert clip_norm.chunk_table(grads, 256) is first
+        clip_norm.chunk_table(grads, 256)
+    clip_norm.chunk_table([torch.randn(3)], 256)
+    assert inner == [first] and outer == [first]
+
+
+@C.requires_interpreter
+def test_the_kernel_launch_registers_its_table():
+    grads = [torch.randn(500), torch.randn(20)]
+    with K.hold_chunk_tables() as held:
+        K.clip_grad_norm_triton(grads, 1.0, **C.SMALL_LAUNCH)
+        K.clip_grad_value_triton(grads, 0.1, **C.SMALL_LAUNCH)
+    assert len(held) == 1 and held[0].table[0, 0].item() == grads[0].data_ptr()
+
+
+def test_the_captured_step_keeps_the_tables_its_capture_used(monkeypatch):
+    """The graphed engine captures inside a holder and keeps the list with the graph."""
+    import warnings
+
+    from fasttrain.engine import ENGINES
+    from test_engine_graph_logic import AOT, HostGraphEngine, mlp_case
+    from engine_cases import run
+
+    class TableUsingCapture(HostGraphEngine):
+        def _capture(self, body):
+            # stands in for the clip kernel, which builds or fetches the table on the CPU side
+            grads = [p.grad for p in self.trainer.model.parameters()]
+            self.table = clip_norm.chunk_table(grads, 256)
+            return super()._capture(body)
+
+    monkeypatch.setitem(ENGINES, "cudagraph", TableUsingCapture)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graphed = run(mlp_case(epochs=1), "cudagraph", AOT, eval_dataset=None)
+    engine = graphed.trainer._engine
+    assert set(engine._train_graphs) == {False, True}
+    for captured in engine._train_graphs.values():
+        assert len(captured.tables) == 1 and captured.tables[0].num_chunks >= 1
+    assert engine.table in [t for c in engine._train_graphs.values() for t in c.tables]
