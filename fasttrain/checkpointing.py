@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from fasttrain import step_metrics
 from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches them from here)
     ResumePosition,
     begin_training,
@@ -216,7 +217,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     if buffer is not None and len(buffer):
         # SYNC: a save is a flush point, so the saved loss counters are complete and a non-finite
         # value in the steps since the last flush is seen before anything is written
-        trainer._flush(buffer, is_epoch_end=False)
+        step_metrics.flush(trainer, buffer, is_epoch_end=False)
     if getattr(trainer, "_nonfinite_applied", False):
         trainer.print(
             f"Not saving the training state to {output_dir}: an update with non-finite values was "

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fasttrain.callbacks import SaveTrainingStateCallback, StopTrainingError
+from fasttrain import step_metrics
 from fasttrain.resume import innermost_loader
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -257,7 +258,7 @@ def finish_interrupted_run(trainer, signal_number: int) -> None:
     stop and fire ``on_training_interrupted``."""
     if trainer._train_buffer is not None:
         try:
-            trainer._flush(trainer._train_buffer, is_epoch_end=False)
+            step_metrics.flush(trainer, trainer._train_buffer, is_epoch_end=False)
         except StopTrainingError as nonfinite:  # recorded by the flush; the save is refused
             trainer._accelerator.print(nonfinite)
     where = interrupt_save_dir(trainer)

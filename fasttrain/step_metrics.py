@@ -7,6 +7,7 @@ transfer, then hands the host values to the callbacks as a :class:`FlushedMetric
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import List, Optional
@@ -145,3 +146,40 @@ class StepMetricsBuffer:
         self._steps.clear()
         self._grad_norms.clear()
         return metrics
+
+
+def flush(trainer, buffer: StepMetricsBuffer, is_epoch_end: bool) -> None:
+    """Deliver ``buffer``'s step metrics to the callbacks (``on_metrics_flush``) as host values,
+    after the non-finite policy has seen them; raises the stop the policy asks for."""
+    if len(buffer) == 0 and not is_epoch_end:
+        return
+    train = buffer.phase == "train"
+    guard = trainer._nonfinite
+    metrics = buffer.flush(
+        num_updates=trainer._num_updates,
+        skipped_updates=trainer._skipped_updates,
+        is_epoch_end=is_epoch_end,
+        pending_skips=guard.take_pending() if train else None,
+    )
+    if train:
+        trainer._skipped_updates = metrics.skipped_updates
+    # host values only (with several processes, one shared decision about non-finite values
+    # and stop signals); records the reason before the event, where TerminateOnNaNCallback
+    # may raise first
+    stop = guard.check_flush(trainer, metrics)
+    if guard.shared_totals is not None:
+        loss_sum, count = guard.shared_totals
+        metrics = dataclasses.replace(metrics, global_epoch_loss_sum=loss_sum, global_epoch_sample_count=count)
+    trainer.callback_handler.call_event("on_metrics_flush", trainer, metrics=metrics)
+    if stop is not None:
+        raise stop
+
+
+def add_epoch_loss_to_run_history(trainer, metric_name: str, buffer: StepMetricsBuffer) -> None:
+    """Record the epoch's mean loss (over all processes) as ``metric_name``."""
+    totals = torch.tensor([buffer.loss_sum, buffer.sample_count], dtype=torch.float64, device=trainer.device)
+    if trainer.run_config.is_distributed:
+        # SYNC: one all-reduce per epoch makes the epoch loss the mean over all processes
+        totals = trainer._accelerator.reduce(totals, reduction="sum")
+    total_loss, count = totals.tolist()
+    trainer.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))

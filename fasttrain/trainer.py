@@ -1,23 +1,21 @@
 """The Trainer: pytorch-accelerated's API, with a step loop that never waits on the device.
 
-Read ``_run_train_epoch`` top to bottom to see a training epoch: each micro-step runs through
-the chosen step engine, its loss is kept on the device, and the host sees step metrics only at
-flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
+Read :meth:`Trainer.train` for a run: set-up (prepare.py), then the epoch loop, whose training
+epoch (loops.py) runs each micro-step through the step engine chosen at set-up (engine/). The
+loss stays on the device; the host sees step metrics only at flushes (step_metrics.py), every
+``log_every_n_steps`` optimizer updates and at epoch ends. docs/architecture.md has the picture.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import warnings
 from typing import Iterable, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 
-from fasttrain import checkpointing, signals
+from fasttrain import checkpointing, loops, prepare, signals
 from fasttrain.compat import ForwardBackwardHelper
 from fasttrain.callbacks import (
     CallbackHandler,
@@ -25,17 +23,12 @@ from fasttrain.callbacks import (
     StopTrainingError,
     get_default_callbacks,
 )
-from fasttrain.data import (
-    default_dataloader_kwargs,
-    merge_dataloader_kwargs,
-    place_single_process,
-    with_device_attribute,
-)
-from fasttrain.engine import create_engine
+from fasttrain.data import default_dataloader_kwargs, merge_dataloader_kwargs
 from fasttrain.engine.clipping import GradientClipper
+from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
-from fasttrain.run_config import TrainerRunConfig, build_run_config, uneven_eval_batches_message
+from fasttrain.run_config import TrainerRunConfig
 from fasttrain.step_metrics import StepMetricsBuffer
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
@@ -153,7 +146,9 @@ class Trainer(ForwardBackwardHelper):
         self._accelerator = self._create_accelerator()
         self._pad_uneven_eval_batches = False
         self._engine = None
+        self._step_context = None  # built with the engine by prepare.setup_engine
         self._clipper: Optional[GradientClipper] = None
+        self._update_clip = None
         self._num_updates = 0
         self._skipped_updates = 0
         self._resume_position = None
@@ -254,7 +249,7 @@ class Trainer(ForwardBackwardHelper):
             self._accelerator.backward(loss)
 
     def optimizer_step(self):
-        optimizer = self._stepping_optimizer()
+        optimizer = prepare.stepping_optimizer(self)
         # True without a sync except for nonfinite="skip" with a non-fused optimizer
         if self._nonfinite.allow_update():
             optimizer.step()
@@ -268,7 +263,7 @@ class Trainer(ForwardBackwardHelper):
             self.scheduler.step()
 
     def optimizer_zero_grad(self):
-        self._stepping_optimizer().zero_grad()
+        prepare.stepping_optimizer(self).zero_grad()
 
     def train_epoch_end(self):
         pass
@@ -325,62 +320,55 @@ class Trainer(ForwardBackwardHelper):
         gradients of all micro-steps are accumulated. ``resume_from`` is a directory written by
         :meth:`save_training_state`: training continues from the exact step it was saved at.
         """
-        validation.train_arguments(
+        # every decision about the run is made here, once: arguments, loaders, accelerate, clipping, the
+        # scheduler, the engine and its step context, the non-finite guard, the resume point
+        prepare.set_up_training(
+            self,
+            Trainer,
             train_dataset=train_dataset,
             num_epochs=num_epochs,
+            eval_dataset=eval_dataset,
             per_device_batch_size=per_device_batch_size,
             max_num_train_steps=max_num_train_steps,
             gradient_accumulation_steps=gradient_accumulation_steps,
             gradient_clip_value=gradient_clip_value,
             gradient_clip_norm=gradient_clip_norm,
             create_scheduler_fn=create_scheduler_fn,
-            eval_dataset=eval_dataset,
+            train_dataloader_kwargs=train_dataloader_kwargs,
+            eval_dataloader_kwargs=eval_dataloader_kwargs,
+            reset_run_history=reset_run_history,
+            collate_fn=collate_fn,
+            resume_from=resume_from,
         )
-        self.train_dataset = train_dataset
-        self.eval_dataset = eval_dataset
-        self.create_scheduler_fn = create_scheduler_fn
-        self.collate_fn = collate_fn
-        if resume_from is not None:
-            reset_run_history = False
-        if reset_run_history:
-            self.run_history.reset()
-        self._train_dataloader = self.create_train_dataloader(
-            batch_size=per_device_batch_size, train_dl_kwargs=train_dataloader_kwargs
-        )
-        self._eval_dataloader = None
-        if self.eval_dataset is not None:
-            self._eval_dataloader = self.create_eval_dataloader(
-                batch_size=per_device_batch_size, eval_dl_kwargs=eval_dataloader_kwargs
-            )
-        self._prepare_model_optimizer_and_dataloaders()
-        self.run_config = self._create_run_config(
-            num_epochs=num_epochs,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            max_num_train_steps=max_num_train_steps,
-            per_device_batch_size=per_device_batch_size,
-            gradient_clip_value=gradient_clip_value,
-        )
-        if hasattr(type(self.train_dataset), "__len__"):
-            # a sized dataset whose loader yields nothing (drop_last); the loader of a dataset
-            # without a length has no meaningful length either
-            validation.dataloader_not_empty(self._train_dataloader, "train", per_device_batch_size)
-        self._check_eval_batch_size()
-        self._clipper = GradientClipper(
-            self.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
-        )
-        self.scheduler = self.create_scheduler() if self.create_scheduler_fn is not None else None
-        # gradients of a window left open by a run that stopped mid-window must not reach this
-        # run's first update (a resumed state brings its own back); cleared before the engine is
-        # set up, since the graphed engine keeps the gradient tensors it captures
-        self.model.zero_grad(set_to_none=True)
-        self._setup_engine()
-        self._nonfinite = NonFiniteGuard(
-            self.nonfinite, self.optimizer, has_loss_scaler=self._accelerator.scaler is not None
-        )
-        checkpointing.begin_training(self, resume_from)
         try:
             with signals.handle_interrupts(self):
-                self._run_training()
+                self.training_run_start()
+                self.callback_handler.call_event("on_training_run_start", self)
+                # a resumed run starts in the saved epoch, possibly after its training part
+                epochs_done, train_done = checkpointing.resume_start(self)
+                for _ in range(epochs_done, self.run_config.num_epochs):
+                    try:
+                        if train_done:
+                            train_done = False
+                            reached_max_steps = self._num_updates >= self.run_config.max_num_train_steps
+                        else:
+                            reached_max_steps = loops.train_epoch(self, self._train_dataloader)
+                        if self.eval_dataset is not None:
+                            loops.eval_epoch(self, self._eval_dataloader)
+                        self.training_run_epoch_end()
+                        self.callback_handler.call_event("on_training_run_epoch_end", self)
+                        self.run_history._increment_epoch()
+                    except StopTrainingError as e:
+                        loops.stop_training(self, e)
+                        break
+                    if reached_max_steps:
+                        self.print(
+                            f"Reached max number of training steps {self.run_config.max_num_train_steps} "
+                            f"in epoch {self.run_history.current_epoch - 1}"
+                        )
+                        break
+                self.training_run_end()
+                self.callback_handler.call_event("on_training_run_end", self)
         finally:
             self._nonfinite.close()
 
@@ -395,8 +383,9 @@ class Trainer(ForwardBackwardHelper):
         self._eval_dataloader = self.create_eval_dataloader(
             batch_size=per_device_batch_size, eval_dl_kwargs=dataloader_kwargs
         )
-        self._prepare_model_optimizer_and_dataloaders()
-        self.run_config = self._create_run_config(
+        prepare.prepare_run(self)
+        self.run_config = prepare.create_run_config(
+            self,
             num_epochs=1,
             gradient_accumulation_steps=1,
             max_num_train_steps=None,
@@ -404,307 +393,27 @@ class Trainer(ForwardBackwardHelper):
             gradient_clip_value=None,
         )
         validation.dataloader_not_empty(self._eval_dataloader, "eval", per_device_batch_size)
-        self._check_eval_batch_size()
-        self._setup_engine()
-        self._run_evaluation()
+        prepare.check_eval_batch_size(self)
+        prepare.setup_engine(self, Trainer)
+        loops.run_evaluation(self)
 
-    # ------------------------------------------------------------------ setup
-    def _prepare_model_optimizer_and_dataloaders(self):
-        # The previous run's accelerator lets go of what it prepared. accelerate's own
-        # free_memory() also runs a full gc.collect(), which costs a quarter to half a second per
-        # train() call and frees nothing still in use, so only the references are dropped.
-        for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
-            prepared = getattr(self._accelerator, name, None)
-            if isinstance(prepared, list):
-                prepared.clear()
-        self._accelerator = self._create_accelerator()
-        if self.seed is not None:
-            set_seed(self.seed, device_specific=True)
-        acc = self._accelerator
-        shard_dataloaders = acc.num_processes > 1 or acc.distributed_type != DistributedType.NO
-        components = [self.model, self.optimizer]
-        if shard_dataloaders:
-            components += [dl for dl in (self._train_dataloader, self._eval_dataloader) if dl is not None]
-        prepared = list(acc.prepare(*components))
-        self.model, self.optimizer = prepared[0], prepared[1]
-        if not shard_dataloaders:
-            if self._train_dataloader is not None:
-                self._train_dataloader = place_single_process(self._train_dataloader, acc.device)
-            if self._eval_dataloader is not None:
-                self._eval_dataloader = place_single_process(self._eval_dataloader, acc.device)
-            rest = []
-        else:
-            rest = prepared[2:]
-        if rest and self._train_dataloader is not None:
-            self._train_dataloader = rest.pop(0)
-            # every process sees the same number of training batches, so the update count is
-            # known on the host without asking the other processes
-            self._train_dataloader.batch_sampler.even_batches = True
-        if rest and self._eval_dataloader is not None:
-            self._eval_dataloader = rest.pop(0)
-            # no padding samples in evaluation: the mean loss is over real samples only. Except
-            # with FSDP and ZeRO-3, whose forward all-gathers the parameters: a process with one
-            # batch more would wait forever for the others, so there the last batches are padded
-            # (docs/distributed.md: a few samples count twice in the eval loss)
-            forward_gathers = acc.distributed_type == DistributedType.FSDP or (
-                acc.distributed_type == DistributedType.DEEPSPEED
-                and getattr(acc.state.deepspeed_plugin, "zero_stage", 0) == 3
-            )
-            self._eval_dataloader.batch_sampler.even_batches = self._pad_uneven_eval_batches or forward_gathers
-        for name in ("_train_dataloader", "_eval_dataloader"):
-            if getattr(self, name) is not None:  # the loaders have a device, as prepared ones do
-                setattr(self, name, with_device_attribute(getattr(self, name), acc.device))
-        self._plain_backward = acc.scaler is None and acc.distributed_type != DistributedType.DEEPSPEED
-        # accelerate's optimizer wrapper is needed for loss scaling and for XLA/DeepSpeed/
-        # Megatron; otherwise it only adds per-step bookkeeping (package look-ups, signature
-        # inspection) that costs more than a small model's whole step
-        self._wrapped_optimizer_needed = acc.scaler is not None or acc.distributed_type in (
-            DistributedType.XLA,
-            DistributedType.DEEPSPEED,
-            DistributedType.MEGATRON_LM,
-        )
-
-    def _setup_engine(self):
-        self._engine = create_engine(self.engine_name, self)
-        self._engine.setup()
-
-    def _create_run_config(
-        self, per_device_batch_size, num_epochs, gradient_accumulation_steps, max_num_train_steps, gradient_clip_value
-    ) -> TrainerRunConfig:
-        return build_run_config(
-            self._accelerator,
-            train_dataloader=self._train_dataloader,
-            train_dl_kwargs=self._train_dl_kwargs,
-            eval_dl_kwargs=self._eval_dl_kwargs,
-            per_device_batch_size=per_device_batch_size,
-            num_epochs=num_epochs,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            max_num_train_steps=max_num_train_steps,
-            gradient_clip_value=gradient_clip_value,
-        )
-
-    def _check_eval_batch_size(self):
-        if self.eval_dataset is None or not self.run_config.is_distributed:
-            return
-        if self.run_config.eval_total_batch_size > len(self.eval_dataset):
-            raise ValueError(
-                f"The total evaluation batch size {self.run_config.eval_total_batch_size} across "
-                f"all processes is larger than the evaluation dataset ({len(self.eval_dataset)} "
-                "samples); lower per_device_batch_size or the eval batch_size."
-            )
-        sampler = getattr(self._eval_dataloader, "batch_sampler", None)
-        if not getattr(sampler, "even_batches", False):  # padded last batches cannot hang
-            message = uneven_eval_batches_message(
-                len(self.eval_dataset), self.run_config.eval_per_device_batch_size, self.run_config.num_processes
-            )
-            if message is not None:
-                warnings.warn(message, UserWarning, stacklevel=3)
-
-    # ------------------------------------------------------------------ the loops
-    def _run_training(self):
-        self.training_run_start()
-        self.callback_handler.call_event("on_training_run_start", self)
-        # a resumed run starts in the saved epoch, possibly after its training part
-        epochs_done, train_done = checkpointing.resume_start(self)
-        for _ in range(epochs_done, self.run_config.num_epochs):
-            try:
-                if train_done:
-                    train_done = False
-                    reached_max_steps = self._num_updates >= self.run_config.max_num_train_steps
-                else:
-                    reached_max_steps = self._run_train_epoch(self._train_dataloader)
-                if self.eval_dataset is not None:
-                    self._run_eval_epoch(self._eval_dataloader)
-                self.training_run_epoch_end()
-                self.callback_handler.call_event("on_training_run_epoch_end", self)
-                self.run_history._increment_epoch()
-            except StopTrainingError as e:
-                self._stop_training(e)
-                break
-            if reached_max_steps:
-                self.print(
-                    f"Reached max number of training steps {self.run_config.max_num_train_steps} "
-                    f"in epoch {self.run_history.current_epoch - 1}"
-                )
-                break
-        self.training_run_end()
-        self.callback_handler.call_event("on_training_run_end", self)
-
-    def _stop_training(self, error: StopTrainingError):
-        """End the run after ``error`` and record why (``stop_reason``); a signal's stop saves
-        the training state and fires ``on_training_interrupted`` first."""
-        self._accelerator.print(error)
-        if isinstance(error, signals.TrainingInterrupted):
-            signals.finish_interrupted_run(self, error.signal_number)
-        elif self.stop_reason is None:
-            self.stop_reason = "stop_training_error"
-        self.callback_handler.call_event("on_stop_training_error", self)
-
-    def _run_evaluation(self):
-        self.evaluation_run_start()
-        self.callback_handler.call_event("on_evaluation_run_start", self)
-        try:
-            self._run_eval_epoch(self._eval_dataloader, is_training=False)
-        except StopTrainingError as e:
-            self._accelerator.print(e)
-            self.callback_handler.call_event("on_stop_training_error", self)
-        self.evaluation_run_end()
-        self.callback_handler.call_event("on_evaluation_run_end", self)
-
+    # ------------------------------------------------------------------ set-up seams
+    # pytorch-accelerated's names for one epoch, which its users' callbacks call (an evaluation
+    # in the middle of a training epoch, say)
     def _run_train_epoch(self, train_dl) -> bool:
-        self.train_epoch_start()
-        handler = self.callback_handler
-        handler.call_event("on_train_epoch_start", self)
-        buffer = self._train_buffer = StepMetricsBuffer("train", self.run_history.current_epoch)
-        k = self.run_config.gradient_accumulation_steps
-        max_updates = self.run_config.max_num_train_steps
-        num_batches = len(train_dl)
-        batches, first_step = checkpointing.epoch_batches(self, train_dl, buffer)
-        step_start = handler.handlers("on_train_step_start")
-        step_end = handler.handlers("on_train_step_end")
-        engine = self._engine
-        interrupt = self._interrupt
-        reached_max_steps = False
-        for step, batch in enumerate(batches, start=first_step):
-            self._step_in_epoch = step
-            handler.call_methods(step_start, self)
-            update = (step + 1) % k == 0 or step + 1 == num_batches
-            batch_output = engine.train_step(batch, update)
-            buffer.add(step, batch_output)
-            if update:
-                self._num_updates += 1
-                buffer.add_grad_norm(engine.last_grad_norm)
-            self._step_in_epoch = step + 1
-            handler.call_methods(step_end, self, batch=batch, batch_output=batch_output, step=step)
-            if update:
-                if self._num_updates % self.log_every_n_steps == 0:
-                    self._flush(buffer, is_epoch_end=False)
-                if self._num_updates >= max_updates:
-                    reached_max_steps = True
-                    break
-            if interrupt.stop_requested:  # a host bool set by the signal handler
-                raise signals.TrainingInterrupted(interrupt.signal_number)
-        self.train_epoch_end()
-        self._flush(buffer, is_epoch_end=True)
-        self._train_buffer = None
-        self._add_epoch_loss_to_run_history("train_loss_epoch", buffer)
-        handler.call_event("on_train_epoch_end", self)
-        return reached_max_steps
+        return loops.train_epoch(self, train_dl)
 
     def _run_eval_epoch(self, valid_dl, is_training: bool = True, is_intermediate: bool = False):
-        self.eval_epoch_start()
-        handler = self.callback_handler
-        loader_before = self._eval_dataloader
-        handler.call_event("on_eval_epoch_start", self, is_intermediate=is_intermediate)
-        if valid_dl is loader_before and self._eval_dataloader is not loader_before:
-            # a callback replaced the loader for this epoch (LimitEvalStepsCallback)
-            valid_dl = self._eval_dataloader
-        buffer = StepMetricsBuffer("eval", self.run_history.current_epoch)
-        step_start = handler.handlers("on_eval_step_start")
-        step_end = handler.handlers("on_eval_step_end")
-        engine = self._engine
-        # an intermediate evaluation belongs to a training step, which finishes it
-        interrupt = self._interrupt if not is_intermediate else signals.InterruptFlag()
-        # No torch Join around evaluation (accelerate's join_uneven_inputs uses one on GPUs): its
-        # DDP hook makes a process that runs out of batches post the all-reduces of a backward
-        # pass that never comes in evaluation, so the processes deadlock or mismatch collectives
-        # (reproduced with gloo in tests/test_distributed.py). None is needed: under no_grad
-        # DDP's forward communicates only to broadcast buffers on the first forward after a
-        # synced training forward, and every process has at least one eval batch
-        # (_check_eval_batch_size).
-        for step, batch in enumerate(valid_dl):
-            handler.call_methods(step_start, self)
-            batch_output = engine.eval_step(batch)
-            buffer.add(step, batch_output)
-            handler.call_methods(step_end, self, batch=batch, batch_output=batch_output)
-            if len(buffer) >= self.log_every_n_steps:
-                self._flush(buffer, is_epoch_end=False)
-            if interrupt.stop_requested:  # checked before the next batch is fetched
-                raise signals.TrainingInterrupted(interrupt.signal_number)
-        self.eval_epoch_end()
-        self._flush(buffer, is_epoch_end=True)
-        if is_intermediate:
-            name = "intermediate_eval_loss"
-        elif is_training:
-            name = "eval_loss_epoch"
-        else:
-            name = "evaluation_loss"
-        self._add_epoch_loss_to_run_history(name, buffer)
-        handler.call_event("on_eval_epoch_end", self, is_intermediate=is_intermediate)
+        loops.eval_epoch(self, valid_dl, is_training=is_training, is_intermediate=is_intermediate)
 
-    def _flush(self, buffer: StepMetricsBuffer, is_epoch_end: bool):
-        if len(buffer) == 0 and not is_epoch_end:
-            return
-        train = buffer.phase == "train"
-        guard = self._nonfinite
-        metrics = buffer.flush(
-            num_updates=self._num_updates,
-            skipped_updates=self._skipped_updates,
-            is_epoch_end=is_epoch_end,
-            pending_skips=guard.take_pending() if train else None,
-        )
-        if train:
-            self._skipped_updates = metrics.skipped_updates
-        # host values only (with several processes, one shared decision about non-finite values
-        # and stop signals); records the reason before the event, where TerminateOnNaNCallback
-        # may raise first
-        stop = guard.check_flush(self, metrics)
-        if guard.shared_totals is not None:
-            loss_sum, count = guard.shared_totals
-            metrics = dataclasses.replace(metrics, global_epoch_loss_sum=loss_sum, global_epoch_sample_count=count)
-        self.callback_handler.call_event("on_metrics_flush", self, metrics=metrics)
-        if stop is not None:
-            raise stop
-
-    def _add_epoch_loss_to_run_history(self, metric_name: str, buffer: StepMetricsBuffer):
-        totals = torch.tensor(
-            [buffer.loss_sum, buffer.sample_count],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        if self.run_config.is_distributed:
-            # SYNC: one all-reduce per epoch makes the epoch loss the mean over all processes
-            totals = self._accelerator.reduce(totals, reduction="sum")
-        total_loss, count = totals.tolist()
-        self.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
-
-    # ------------------------------------------------------------------ engine support
-    def _loss_for_backward(self, batch_output: dict):
-        """The loss that backward sees: divided by the accumulation steps, and multiplied by the
-        number of processes for token-normalised losses, whose normaliser already spans all
-        processes while DDP averages gradients over them."""
-        loss = validation.train_loss(batch_output)  # host-only checks: a clear error before backward
-        return self._scale_loss(loss, batch_output)
+    def _clip_for_update(self):
+        """The callable that clips the gradients once per update (a subclass may add steps
+        around the clipping); the step context hands it to the engine."""
+        return self._update_clip
 
     def _scale_loss(self, loss, batch_output: dict):
-        config = self.run_config
-        if "num_items_in_batch" in batch_output and config.is_distributed:
-            loss = loss * config.num_processes
-        if config.gradient_accumulation_steps > 1:
-            loss = loss / config.gradient_accumulation_steps
-        return loss
-
-    def _clip_gradients(self):
-        """Clip the gradients once per update (after all micro-steps have accumulated); returns
-        the global norm as a device tensor when clipping by norm. With ``nonfinite="skip"`` the
-        same kernels flag non-finite gradients on the device."""
-        guard = self._nonfinite
-        if not guard.checks_gradients and (self._clipper is None or not self._clipper.enabled):
-            return None
-        if self._accelerator.scaler is not None:
-            # fp16: gradients are scaled until the optimizer step; clip the true values
-            self._accelerator.unscale_gradients()
-        return guard.clip(self._clipper)
-
-    def _stepping_optimizer(self):
-        """The optimizer whose ``step``/``zero_grad`` the default hooks call: accelerate's
-        wrapper when it does real work, the wrapped optimizer otherwise."""
-        if self._wrapped_optimizer_needed:
-            return self.optimizer
-        return getattr(self.optimizer, "optimizer", self.optimizer)
-
-    def _optimizer_step_was_skipped(self) -> bool:
-        return bool(getattr(self.optimizer, "step_was_skipped", False))
+        # the scaling of the engines, for pytorch-accelerated's _perform_forward_and_backward_passes
+        return LossScaling.from_run_config(self.run_config).scale(loss, batch_output)
 
     # ------------------------------------------------------------------ utilities
     def gather(self, tensor, padding_value=None):

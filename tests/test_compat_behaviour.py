@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fasttrain import Trainer
+from fasttrain import Trainer, prepare
 from fasttrain.callbacks import (
     LimitEvalStepsCallback,
     SaveTrainingStateCallback,
@@ -140,7 +140,7 @@ def test_distributed_uneven_evaluation_warns_once_per_setup():
     trainer.run_config = _FakeConfig()
     trainer.eval_dataset = list(range(64 + 23))
     with pytest.warns(UserWarning, match="waits forever") as record:
-        trainer._check_eval_batch_size()
+        prepare.check_eval_batch_size(trainer)
     assert len(record) == 1
 
 
@@ -157,7 +157,7 @@ def test_padded_evaluation_does_not_warn():
     trainer._eval_dataloader = Loader()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainer._check_eval_batch_size()
+        prepare.check_eval_batch_size(trainer)
 
 
 # ----------------------------------------------------------------------------- per-step NaN check

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fasttrain import Trainer
+from fasttrain import Trainer, prepare
 from fasttrain.schedulers import CosineLrScheduler
 
 from engine_cases import MLP, Case, ConvNet, assert_runs_match, image_data, one_cycle, run, vector_data
@@ -148,7 +148,7 @@ class HostReadingTrainer(Trainer):
 
     def optimizer_step(self):
         super().optimizer_step()
-        self.last_lr = float(self._stepping_optimizer().param_groups[0]["lr"])
+        self.last_lr = float(prepare.stepping_optimizer(self).param_groups[0]["lr"])
 
 
 def test_host_read_in_a_hook_falls_back_to_compiled_with_one_warning():

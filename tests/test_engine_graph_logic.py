@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fasttrain import Trainer
+from fasttrain import Trainer, prepare
 from fasttrain.engine import ENGINES
 from fasttrain.engine.cudagraph import CudaGraphEngine
 from fasttrain.engine.hyperparams import inner_optimizer
@@ -134,7 +134,7 @@ def test_host_read_in_a_captured_hook_falls_back_to_compiled_once():
     class HostReadingTrainer(Trainer):
         def optimizer_step(self):
             super().optimizer_step()
-            self.last_lr = float(self._stepping_optimizer().param_groups[0]["lr"])
+            self.last_lr = float(prepare.stepping_optimizer(self).param_groups[0]["lr"])
 
     case = mlp_case(HostReadingTrainer, epochs=2)
     with warnings.catch_warnings(record=True) as caught:

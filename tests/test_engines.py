@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fasttrain import Trainer
+from fasttrain import prepare
 from fasttrain.engine import auto_engine_name, create_engine
 from fasttrain.engine.compiled import CompileSettings
 from fasttrain.schedulers import CosineLrScheduler
@@ -288,7 +289,9 @@ def test_auto_is_eager_on_the_cpu():
     assert auto_engine_name("cpu") == "eager"
     assert auto_engine_name("cuda:0") == "cudagraph"
     trainer = Trainer(MLP(), torch.nn.functional.cross_entropy, None, callbacks=[], engine="auto")
-    assert create_engine("auto", trainer).name == "eager"
+    assert create_engine("auto", prepare.step_context(trainer, Trainer)).name == "eager"
+    with pytest.raises(TypeError, match="StepContext"):
+        create_engine("auto", trainer)
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,7 @@ import difflib
 import warnings
 from typing import Dict, List
 
-
-class StopTrainingError(Exception):
-    """Raised by a callback to end the current training (or evaluation) run cleanly."""
+from fasttrain.errors import StopTrainingError  # noqa: F401  (part of the callback API)
 
 
 class CallbackMethodNotImplementedError(Exception):

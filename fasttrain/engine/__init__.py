@@ -4,6 +4,7 @@ import torch
 
 from fasttrain.engine.base import StepEngine
 from fasttrain.engine.compiled import CompiledEngine
+from fasttrain.engine.context import StepContext
 from fasttrain.engine.cudagraph import CudaGraphEngine
 from fasttrain.engine.eager import EagerEngine
 
@@ -18,19 +19,24 @@ def auto_engine_name(device) -> str:
     return "cudagraph" if torch.device(device).type == "cuda" else "eager"
 
 
-def create_engine(name: str, trainer) -> StepEngine:
-    """The engine called ``name`` for ``trainer``; ``"auto"`` picks the fastest that works on
-    the trainer's device."""
+def create_engine(name: str, ctx: StepContext) -> StepEngine:
+    """The engine called ``name`` for the step described by ``ctx``; ``"auto"`` picks the
+    fastest that works on the trainer's device."""
+    if not isinstance(ctx, StepContext):
+        raise TypeError(
+            f"create_engine needs a StepContext (fasttrain.engine.context), got {type(ctx).__name__}; "
+            "a Trainer builds one with its step_context() method"
+        )
     auto = name == "auto"
     if auto:
-        name = auto_engine_name(trainer.device)
+        name = auto_engine_name(ctx.trainer.device)
     try:
         engine_cls = ENGINES[name]
     except KeyError:
         raise ValueError(
             f"Unknown engine {name!r}; choose one of {sorted(ENGINES) + ['auto']}"
         ) from None
-    engine = engine_cls(trainer)
+    engine = engine_cls(ctx)
     if auto:
         # "auto" asked for the fastest engine that works: when the graphed one cannot run here
         # at all (DDP, fp16 scaling, another optimizer), taking the compiled one is the choice,
@@ -46,5 +52,6 @@ __all__ = [
     "CudaGraphEngine",
     "auto_engine_name",
     "create_engine",
+    "StepContext",
     "ENGINES",
 ]

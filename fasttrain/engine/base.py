@@ -6,14 +6,17 @@ An engine runs one micro-step: the trainer's hooks ``calculate_train_batch_loss`
 ``calculate_train_batch_loss`` (with the loss NOT divided by the accumulation steps) and keeps
 per-step values on the device. Engines differ in how they run that (eagerly, compiled, replayed
 from a CUDA graph); the trainer picks one at setup and never branches on it in the loop.
+Everything an engine knows of the trainer comes through the :class:`StepContext` it is built
+with (engine/context.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
+
+from fasttrain.engine.context import StepContext
 
 
 class StepEngine:
@@ -22,8 +25,10 @@ class StepEngine:
     #: the name users pass as ``Trainer(engine=...)``
     name = "base"
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        #: the object whose public hooks the step runs (engines use no private name of it)
+        self.trainer = ctx.trainer
         #: global gradient norm of the last update (device tensor), when clipping by norm
         self.last_grad_norm: Optional[torch.Tensor] = None
 
@@ -47,7 +52,4 @@ class StepEngine:
     def no_sync_context(self, update: bool):
         """``no_sync`` of the DDP-wrapped model on micro-steps that do not update, so that
         gradients are all-reduced once per optimizer update."""
-        trainer = self.trainer
-        if update or not trainer.run_config.is_distributed:
-            return contextlib.nullcontext()
-        return trainer._accelerator.no_sync(trainer.model)
+        return self.ctx.no_sync(update)

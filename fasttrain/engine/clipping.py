@@ -55,3 +55,40 @@ class GradientClipper:
         if self.clip_norm is not None:
             norm = kernels.clip_grad_norm_(grads, self.clip_norm, found_inf=self.found_inf)
         return norm
+
+
+class UpdateClip:
+    """The ``clip`` of a step context: clips once per update, after all micro-steps have
+    accumulated, and returns the global norm as a device tensor when clipping by norm. With
+    ``nonfinite="skip"`` the same kernels flag non-finite gradients on the device.
+
+    :param guard: the run's non-finite guard (``checks_gradients``, ``clip(clipper)``).
+    :param clipper: the run's :class:`GradientClipper`, or None.
+    :param accelerator: the accelerator whose loss scaler (fp16) scales the gradients until the
+        optimizer step; they are unscaled first so that the true values are clipped.
+    """
+
+    def __init__(self, guard, clipper: Optional[GradientClipper], accelerator=None):
+        self.guard = guard
+        self.clipper = clipper
+        self.accelerator = accelerator
+
+    @property
+    def active(self) -> bool:
+        return self.guard.checks_gradients or (self.clipper is not None and self.clipper.enabled)
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        if not self.active:
+            return None
+        if self.accelerator is not None and self.accelerator.scaler is not None:
+            self.accelerator.unscale_gradients()
+        return self.guard.clip(self.clipper)
+
+    def mutated_flags(self) -> tuple:
+        """The device flags the kernels raise in place (restored when a failed step is undone)."""
+        guard = self.guard
+        return (
+            getattr(self.clipper, "found_inf", None),
+            getattr(guard, "found_inf", None),
+            getattr(guard, "pending_skips", None),
+        )

@@ -38,6 +38,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from fasttrain.engine.base import StepEngine
+from fasttrain.errors import StopTrainingError
+from fasttrain.engine.context import StepContext
 from fasttrain.engine.eager import EagerEngine
 from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
 from fasttrain.engine import recompile_limit
@@ -133,20 +135,20 @@ def settings_for_engine(settings: CompileSettings, engine_name: str) -> CompileS
 
 
 # ---------------------------------------------------------------------------- compiled bodies
-def _train_forward(trainer, batch):
-    batch_output = trainer.calculate_train_batch_loss(batch)
-    return batch_output, trainer._loss_for_backward(batch_output)
+def _train_forward(ctx: StepContext, batch):
+    batch_output = ctx.trainer.calculate_train_batch_loss(batch)
+    return batch_output, ctx.loss_for_backward(batch_output)
 
 
-def _update(trainer):
-    norm = trainer._clip_gradients()
-    trainer.optimizer_step()
+def _update(ctx: StepContext):
+    norm = ctx.clip()
+    ctx.trainer.optimizer_step()
     return norm
 
 
-def _eval_forward(trainer, batch):
+def _eval_forward(ctx: StepContext, batch):
     with torch.no_grad():
-        return trainer.calculate_eval_batch_loss(batch)
+        return ctx.trainer.calculate_eval_batch_loss(batch)
 
 
 def _private_copy(fn: Callable) -> Callable:
@@ -197,13 +199,6 @@ def describe_error(error: BaseException) -> str:
     return reason[:600]
 
 
-def overrides_hook(trainer, name: str) -> bool:
-    """True when the trainer's class overrides the default hook ``name``."""
-    from fasttrain.trainer import Trainer
-
-    return getattr(type(trainer), name) is not getattr(Trainer, name)
-
-
 class CompiledEngine(StepEngine):
     """Runs each micro-step through compiled functions of the trainer's hooks."""
 
@@ -212,10 +207,10 @@ class CompiledEngine(StepEngine):
     #: which a tensor learning rate needs with the foreach implementation
     capturable_optimizer = True
 
-    def __init__(self, trainer, settings: Optional[CompileSettings] = None):
-        super().__init__(trainer)
+    def __init__(self, ctx: StepContext, settings: Optional[CompileSettings] = None):
+        super().__init__(ctx)
         if settings is None:
-            settings = CompileSettings.from_options(getattr(trainer, "compile_options", None))
+            settings = CompileSettings.from_options(getattr(ctx.trainer, "compile_options", None))
         # a fallback is handed the settings of the engine it replaces, already made safe there
         self.settings = settings_for_engine(settings, self.name)
         self._functions: Optional[_CompiledFunctions] = None
@@ -233,7 +228,7 @@ class CompiledEngine(StepEngine):
     def setup(self) -> None:
         trainer = self.trainer
         # evaluate() sets up an engine without a training dataloader
-        training = self.training = getattr(trainer, "_train_dataloader", None) is not None
+        training = self.training = self.ctx.training
         train_reason = self.unsupported_reason(training=True) if training else None
         eval_reason = self.unsupported_reason(training=False)
         if train_reason is None or eval_reason is None:
@@ -285,9 +280,9 @@ class CompiledEngine(StepEngine):
         if issubclass(engine_cls, CompiledEngine):
             # the settings this engine runs with, not the trainer's again: those may ask for
             # what this engine had to leave out (inductor's CUDA graphs)
-            engine = engine_cls(self.trainer, settings=self.settings)
+            engine = engine_cls(self.ctx, settings=self.settings)
         else:
-            engine = engine_cls(self.trainer)
+            engine = engine_cls(self.ctx)
         engine.setup()
         return engine
 
@@ -344,7 +339,7 @@ class CompiledEngine(StepEngine):
         # Until the first update succeeded, any part of the step may fail after another part
         # ran: snapshot first, undo on failure, redo the step on the fallback engine.
         trainer = self.trainer
-        snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=_mutated_buffers(trainer))
+        snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=self.ctx.mutated_flags())
         try:
             batch_output = self._compiled_train_step(batch, update)
         except Exception as error:  # noqa: BLE001 - any failure falls back, the eager redo re-raises real bugs
@@ -375,7 +370,7 @@ class CompiledEngine(StepEngine):
         with self.no_sync_context(update):
             self._hook = "calculate_train_batch_loss"
             try:
-                batch_output, loss = self._functions.train_forward(trainer, batch)
+                batch_output, loss = self._functions.train_forward(self.ctx, batch)
             except Exception as error:  # noqa: BLE001
                 if _is_control_flow(error):
                     raise
@@ -415,10 +410,10 @@ class CompiledEngine(StepEngine):
                 hparams.apply()  # the optimizer's state was loaded: hold the new groups' values
             hparams.sync()
         self._hook = "optimizer_step"
-        norm = self._functions.update(trainer)
+        norm = self._functions.update(self.ctx)
         if norm is not None:
             self.last_grad_norm = norm
-        if trainer.scheduler is not None and not trainer._optimizer_step_was_skipped():
+        if trainer.scheduler is not None and not self.ctx.step_was_skipped():
             trainer.scheduler_step()
             if hparams is not None:
                 hparams.sync()
@@ -456,7 +451,7 @@ class CompiledEngine(StepEngine):
         if fallback is not None:
             return fallback.eval_step(batch)
         try:
-            batch_output = self._functions.eval_forward(self.trainer, batch)
+            batch_output = self._functions.eval_forward(self.ctx, batch)
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
             if _is_control_flow(error):
                 raise
@@ -476,19 +471,6 @@ class _ForwardFailed(Exception):
         self.error = error
 
 
-def _mutated_buffers(trainer) -> tuple:
-    # device flags the clipping kernels raise in place, restored with the rest of the step
-    clipper = getattr(trainer, "_clipper", None)
-    guard = getattr(trainer, "_nonfinite", None)
-    return (
-        getattr(clipper, "found_inf", None),
-        getattr(guard, "found_inf", None),
-        getattr(guard, "pending_skips", None),
-    )
-
-
 def _is_control_flow(error: BaseException) -> bool:
     # StopTrainingError ends training on purpose; it is not a failure of the engine.
-    from fasttrain.callbacks import StopTrainingError
-
     return isinstance(error, StopTrainingError)

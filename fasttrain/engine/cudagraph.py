@@ -39,8 +39,8 @@ from fasttrain.engine.compiled import (
     CompileSettings,
     _is_control_flow,
     describe_error,
-    overrides_hook,
 )
+from fasttrain.engine.context import StepContext
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
 from fasttrain.engine.replay_guard import CaptureRecord
@@ -83,8 +83,8 @@ class CudaGraphEngine(CompiledEngine):
     name = "cudagraph"
     setup_fallback = CompiledEngine
 
-    def __init__(self, trainer, settings: Optional[CompileSettings] = None):
-        super().__init__(trainer, settings)
+    def __init__(self, ctx: StepContext, settings: Optional[CompileSettings] = None):
+        super().__init__(ctx, settings)
         self._train_graphs: Dict[bool, CapturedStep] = {}
         self._eval_graph: Optional[CapturedStep] = None
         self._static: Optional[StaticBatch] = None
@@ -125,8 +125,8 @@ class CudaGraphEngine(CompiledEngine):
             )
         if not training:
             return None
-        if not getattr(trainer, "_plain_backward", True) or getattr(trainer, "_wrapped_optimizer_needed", False):
-            return "fp16 loss scaling and DeepSpeed check the gradients on the host every step"
+        if self.ctx.capture_blockers:
+            return self.ctx.capture_blockers[0]
         optimizer = inner_optimizer(trainer.optimizer)
         if not isinstance(optimizer, CAPTURABLE_OPTIMIZERS):
             return (
@@ -151,7 +151,7 @@ class CudaGraphEngine(CompiledEngine):
             accumulation = config.gradient_accumulation_steps
             self._train_ring = StepRing(trainer.log_every_n_steps * accumulation + accumulation, device)
             self._train_ring.warm_up()
-            self._own_zero_grad = not overrides_hook(trainer, "optimizer_zero_grad")
+            self._own_zero_grad = not self.ctx.overrides("optimizer_zero_grad")
         if self._eval_fallback is None:
             self._eval_ring = StepRing(trainer.log_every_n_steps + 1, device)
             self._eval_ring.warm_up()
@@ -171,7 +171,7 @@ class CudaGraphEngine(CompiledEngine):
             # a callback swapped the model in (an EMA model, say): the graphs hold the other
             # one's tensors, so this step runs through the compiled path
             return super().train_step(batch, update)
-        if getattr(self.trainer, "_step_in_epoch", None) == 0:
+        if self.ctx.step_in_epoch() == 0:
             self._check_trainable()
             self._check_model_parameters()
         signature = batch_signature(batch)
@@ -202,11 +202,8 @@ class CudaGraphEngine(CompiledEngine):
         self._last_trainable = trainable
 
     def _is_last_batch(self) -> bool:
-        trainer = self.trainer
-        try:
-            return trainer._step_in_epoch + 1 == len(trainer._train_dataloader)
-        except (AttributeError, TypeError):
-            return False
+        batches = self.ctx.train_batches()
+        return batches is not None and self.ctx.step_in_epoch() + 1 == batches
 
     def _ready_to_capture(self, update: bool, signature) -> bool:
         # The update graph waits for a second warm update: the first creates the optimizer
@@ -290,13 +287,13 @@ class CudaGraphEngine(CompiledEngine):
         functions = self._functions
         with self.no_sync_context(update):
             self._hook = "calculate_train_batch_loss"
-            batch_output, loss = functions.train_forward(trainer, batch)
+            batch_output, loss = functions.train_forward(self.ctx, batch)
             self._hook = "backward_step"
             trainer.backward_step(loss)
         norm = None
         if update:
             self._hook = "optimizer_step"
-            norm = functions.update(trainer)
+            norm = functions.update(self.ctx)
             self._hook = "optimizer_zero_grad"
             self.zero_grad()
         self._hook = "loss accumulation"
@@ -465,7 +462,7 @@ class CudaGraphEngine(CompiledEngine):
 
         def body():
             self._hook = "calculate_eval_batch_loss"
-            batch_output = self._functions.eval_forward(self.trainer, static.tree)
+            batch_output = self._functions.eval_forward(self.ctx, static.tree)
             ring.record(batch_output, None)
             return batch_output
 

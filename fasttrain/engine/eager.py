@@ -14,16 +14,16 @@ class EagerEngine(StepEngine):
     name = "eager"
 
     def train_step(self, batch, update: bool) -> dict:
-        trainer = self.trainer
+        trainer, ctx = self.trainer, self.ctx
         with self.no_sync_context(update):
             batch_output = trainer.calculate_train_batch_loss(batch)
-            trainer.backward_step(trainer._loss_for_backward(batch_output))
+            trainer.backward_step(ctx.loss_for_backward(batch_output))
         if update:
-            norm = trainer._clip_gradients()
+            norm = ctx.clip()
             if norm is not None:
                 self.last_grad_norm = norm
             trainer.optimizer_step()
-            if trainer.scheduler is not None and not trainer._optimizer_step_was_skipped():
+            if trainer.scheduler is not None and not ctx.step_was_skipped():
                 trainer.scheduler_step()
             trainer.optimizer_zero_grad()
         return batch_output

@@ -1,11 +1,11 @@
 """The fasttrain ``Trainer`` that runs a LightningModule: its hooks call the module's.
 
 fasttrain's step engines call ``calculate_train_batch_loss`` -> ``backward_step`` -> (on update
-steps) ``_clip_gradients`` -> ``optimizer_step`` -> ``optimizer_zero_grad``. Here those run the
+steps) the context's ``clip`` -> ``optimizer_step`` -> ``optimizer_zero_grad``. Here those run the
 module's ``training_step`` and Lightning's hooks around backward and the update, in Lightning's
 order, so an unchanged module gets the eager, compiled or CUDA-graphed step. Lightning's
 schedulers, validation cadence and logging are driven by :mod:`fasttrain.lightning.loops`, which
-replaces the epoch loop (``_run_training``) and calls the engine once per batch.
+replaces the epoch loop (:meth:`ModuleRunner.train`) and calls the engine once per batch.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import torch
 from accelerate import Accelerator
 
+from fasttrain import prepare, signals
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -49,17 +50,50 @@ class ModuleRunner(FasttrainTrainer):
         self.eval_dataset = loader
         self._train_dataloader = None
         self._eval_dataloader = loader
-        self._prepare_model_optimizer_and_dataloaders()
-        self.run_config = self._create_run_config(
+        prepare.prepare_run(self)
+        self.run_config = prepare.create_run_config(
+            self,
             num_epochs=1, gradient_accumulation_steps=1, max_num_train_steps=None,
             per_device_batch_size=1, gradient_clip_value=None,
         )
-        self._setup_engine()
+        prepare.setup_engine(self, FasttrainTrainer)
 
-    def _run_training(self):
+    def train(
+        self,
+        train_dataset,
+        num_epochs,
+        per_device_batch_size=1,
+        gradient_accumulation_steps=1,
+        gradient_clip_value=None,
+        gradient_clip_norm=None,
+    ):
+        """fasttrain's training set-up (accelerate, engine, non-finite guard), then Lightning's
+        fit loop (:func:`fasttrain.lightning.loops.run_fit`) instead of the epoch loop."""
         from fasttrain.lightning.loops import run_fit
 
-        run_fit(self.lt, self)
+        prepare.set_up_training(
+            self,
+            FasttrainTrainer,
+            train_dataset=train_dataset,
+            num_epochs=num_epochs,
+            eval_dataset=None,
+            per_device_batch_size=per_device_batch_size,
+            max_num_train_steps=None,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_clip_value=gradient_clip_value,
+            gradient_clip_norm=gradient_clip_norm,
+            create_scheduler_fn=None,
+            train_dataloader_kwargs=None,
+            eval_dataloader_kwargs=None,
+            reset_run_history=True,
+            collate_fn=None,
+            resume_from=None,
+        )
+        try:
+            with signals.handle_interrupts(self):
+                run_fit(self.lt, self)
+        finally:
+            self._nonfinite.close()
 
     # ------------------------------------------------------------------ the step, as hooks
     def calculate_train_batch_loss(self, batch) -> dict:
@@ -102,7 +136,7 @@ class ModuleRunner(FasttrainTrainer):
 
         def closure():
             batch_output = self.calculate_train_batch_loss(batch)
-            self.backward_step(self._loss_for_backward(batch_output))
+            self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output
             return batch_output["loss"]
 
@@ -116,6 +150,9 @@ class ModuleRunner(FasttrainTrainer):
             )
         self.optimizer_zero_grad()
         return result["output"]
+
+    def _clip_for_update(self):
+        return self._clip_gradients
 
     def _clip_gradients(self):
         lt = self.lt

@@ -1,0 +1,100 @@
+"""What an engine is given to run a step: the one contract between the Trainer and the engines.
+
+The Trainer builds a :class:`StepContext` once per ``train()``/``evaluate()``, after accelerate
+has prepared the model and optimizer, and hands it to :func:`fasttrain.engine.create_engine`.
+Engines read the hooks through ``ctx.trainer`` by their public names only (``model``,
+``optimizer`` and ``scheduler`` are read live there, since callbacks may swap them), and reach
+every piece of set-up (loss scaling, clipping, ``no_sync``, what blocks graph capture) through
+the fields below. Nothing under ``fasttrain.engine`` imports the Trainer, so the dependencies
+point one way: trainer -> engine -> kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, FrozenSet, Optional, Tuple
+
+import torch
+
+#: the hooks an engine calls, in the order a stepping micro-step calls them
+STEP_HOOKS = (
+    "calculate_train_batch_loss",
+    "backward_step",
+    "optimizer_step",
+    "scheduler_step",
+    "optimizer_zero_grad",
+    "calculate_eval_batch_loss",
+)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Everything an engine needs, decided once at set-up.
+
+    :param trainer: the object whose public hooks and attributes the step runs (``model``,
+        ``optimizer``, ``scheduler``, ``device``, ``run_config``, ``log_every_n_steps``,
+        ``compile_options`` and the hooks of :data:`STEP_HOOKS`).
+    :param loss_for_backward: ``batch_output -> loss`` as backward sees it (scaled for gradient
+        accumulation and token-normalised losses).
+    :param clip: clips the accumulated gradients once per update; returns the global norm as a
+        device tensor, or None.
+    :param step_was_skipped: True when the last optimizer step did not run (a loss scaler found
+        non-finite gradients), in which case the scheduler does not step either.
+    :param no_sync: ``update -> context``: suppresses the gradient all-reduce on micro-steps
+        that do not update.
+    :param overridden_hooks: the hooks of :data:`STEP_HOOKS` that the trainer's class overrides.
+    :param capture_blockers: why the training step cannot be captured in a CUDA graph whatever
+        the optimizer (host-side loss scaling, DeepSpeed); empty when nothing blocks it.
+    :param training: False for ``evaluate()``, which sets up no training step.
+    :param step_in_epoch: the index of the micro-step about to run in the current epoch.
+    :param train_batches: the number of batches of a training epoch (None when unknown).
+    :param mutated_flags: the device flags the clipping kernels raise in place, restored with
+        the rest of the step when a failed step is undone.
+    """
+
+    trainer: Any
+    loss_for_backward: Callable[[dict], torch.Tensor]
+    clip: Callable[[], Optional[torch.Tensor]]
+    step_was_skipped: Callable[[], bool]
+    no_sync: Callable[[bool], ContextManager]
+    overridden_hooks: FrozenSet[str] = frozenset()
+    capture_blockers: Tuple[str, ...] = ()
+    training: bool = True
+    step_in_epoch: Callable[[], int] = lambda: 0
+    train_batches: Callable[[], Optional[int]] = lambda: None
+    mutated_flags: Callable[[], tuple] = lambda: ()
+
+    def overrides(self, hook: str) -> bool:
+        """True when the trainer's class overrides the default hook ``hook``."""
+        return hook in self.overridden_hooks
+
+
+def overridden_hooks(obj, base: type) -> FrozenSet[str]:
+    """The hooks of :data:`STEP_HOOKS` that ``type(obj)`` defines differently from ``base``."""
+    return frozenset(name for name in STEP_HOOKS if getattr(type(obj), name) is not getattr(base, name))
+
+
+def optimizer_step_was_skipped(optimizer) -> bool:
+    """accelerate's optimizer wrapper records a step its loss scaler skipped; other optimizers
+    never skip."""
+    return bool(getattr(optimizer, "step_was_skipped", False))
+
+
+def no_sync_for(accelerator, model_of: Callable[[], torch.nn.Module], distributed: bool):
+    """The ``no_sync`` field: DDP's ``no_sync`` of the current model on micro-steps that do not
+    update, so that gradients are all-reduced once per optimizer update; nothing when training
+    runs in one process."""
+    if not distributed:
+        return _no_context
+
+    def no_sync(update: bool):
+        if update:
+            return contextlib.nullcontext()
+        return accelerator.no_sync(model_of())
+
+    return no_sync
+
+
+def _no_context(update: bool):
+    return contextlib.nullcontext()
