@@ -54,6 +54,26 @@ def replace_trainer_placeholder_values(trainer, instance):
     return resolve_placeholders(instance, values)
 
 
+def _callback_sequence(callbacks) -> tuple:
+    """``callbacks`` as a tuple: ``None`` means no callbacks, a single callback (class or
+    instance) is accepted alone; anything else must be an iterable of callbacks."""
+    from fasttrain.callbacks import TrainerCallback
+
+    if callbacks is None:
+        return ()
+    if isinstance(callbacks, TrainerCallback) or (
+        isinstance(callbacks, type) and issubclass(callbacks, TrainerCallback)
+    ):
+        return (callbacks,)
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            f"callbacks must be a list of callback classes or instances (or None for no callbacks), "
+            f"not {type(callbacks).__name__}; for example callbacks=[ProgressBarCallback] or "
+            "callbacks=DEFAULT_CALLBACKS"
+        )
+    return tuple(callbacks)
+
+
 class Trainer:
     """Trains and evaluates a model with overridable hooks and callbacks.
 
@@ -123,7 +143,7 @@ class Trainer:
         self.model = model
         self.loss_func = loss_func
         self.optimizer = optimizer
-        self._callbacks = callbacks
+        self._callbacks = _callback_sequence(callbacks)
         self.callback_handler = self._create_callback_handler()
         self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
         self.engine_name = engine

@@ -15,13 +15,15 @@ import statistics
 from typing import Dict, List, Optional
 
 from fasttrain.bench.peers import BASELINE
-from fasttrain.bench.runner import BenchResult
+from fasttrain.bench.runner import BenchResult, peer_label
 
 PTA = "pytorch-accelerated"
 
 #: the CSV's columns, in order; also the keys of every row of :func:`summarize`.
 CSV_FIELDS = (
     "peer",
+    "engine",
+    "engine_fallback",
     "status",
     "reason",
     "repeats",
@@ -64,10 +66,18 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
         rates = sorted(1.0 / t for t in p.step_times) if p.status == "ok" else []
         med = medians.get(p.name)
         row = dict.fromkeys(CSV_FIELDS)
+        if p.status != "ok" or rates:
+            status, reason = p.status, p.reason
+        elif bench.interrupted and not bench.completed_repeats:
+            status, reason = "interrupted", "Ctrl-C before the first repeat completed"
+        else:
+            status, reason = "failed", "every repeat was shorter than timer noise; raise --steps"
         row.update(
             peer=p.name,
-            status=p.status if (p.status != "ok" or rates) else "failed",
-            reason=p.reason if (p.status != "ok" or rates) else "every repeat was shorter than timer noise; raise --steps",
+            engine=p.engine,
+            engine_fallback=p.engine_fallback,
+            status=status,
+            reason=reason,
             repeats=len(rates),
             items=wl["items"],
             host_syncs_per_step=p.host_syncs_per_step,
@@ -119,6 +129,10 @@ def _rate(value) -> str:
     return f"{value:.3g}"
 
 
+def _label(row: Dict[str, object]) -> str:
+    return peer_label(row["peer"], row.get("engine"))
+
+
 def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
     """Header plus one list of cells per peer, shared by the terminal and Markdown tables."""
     items = next((r["items"] for r in rows), "samples")
@@ -127,13 +141,13 @@ def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
     out = [header]
     for r in rows:
         if r["status"] != "ok":
-            out.append([r["peer"], f"{r['status']}: {r['reason']}"] + [""] * (len(header) - 2))
+            out.append([_label(r), f"{r['status']}: {r['reason']}"] + [""] * (len(header) - 2))
             continue
         syncs = _fmt(r["host_syncs_per_step"], ".3g")
         if r["cuda_syncs_per_step"] is not None:
             syncs += f" ({_fmt(r['cuda_syncs_per_step'], '.3g')} cuda)"
         out.append([
-            r["peer"] + (" *" if r["notes"] else ""),
+            _label(r) + (" *" if r["notes"] else ""),
             f"{_rate(r['steps_per_s_median'])} [{_rate(r['steps_per_s_min'])}-{_rate(r['steps_per_s_max'])}]",
             _rate(r["items_per_s_median"]),
             _fmt(r["ratio_vs_bare"], ".2f"),
@@ -149,10 +163,14 @@ def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
 
 def _title(bench: BenchResult) -> str:
     wl, s = bench.workload, bench.settings
+    if bench.interrupted:
+        repeats = f"INTERRUPTED after {bench.completed_repeats} of {s['repeats']} repeats"
+    else:
+        repeats = f"{s['repeats']} repeats"
     return (
         f"{wl['workload']} ({wl['size']}, batch {wl['batch_size']}, {wl['amp_dtype']}) on {wl['device']}"
-        f" · {s['steps']} steps after {s['warmup']} warm-up, {s['repeats']} repeats, interleaved"
-        f" · {s.get('clock', 'wall')} clock"
+        f" · {s['steps']} steps after {s['warmup']} warm-up, {repeats}, interleaved"
+        f" · {s.get('clock', 'wall')} clock · steps/s: median [min-max] over repeats"
     )
 
 
@@ -165,7 +183,7 @@ _MEMORY_MEANING = {
 
 
 def _notes(rows: List[Dict[str, object]]) -> List[str]:
-    lines = [f"* {r['peer']}: {r['notes']}" for r in rows if r["status"] == "ok" and r["notes"]]
+    lines = [f"* {_label(r)}: {r['notes']}" for r in rows if r["status"] == "ok" and r["notes"]]
     lines.append(
         "syncs/step: host reads of device values per step (.item(), .tolist(), bool(), float(), "
         ".cpu(), ...) outside PyTorch itself; '(n cuda)': synchronising CUDA operations reported "
@@ -214,11 +232,11 @@ def _write_png(bench: BenchResult, rows: List[Dict[str, object]], path: str) -> 
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return False
-    names = [r["peer"] for r in ok]
+    names = [_label(r) for r in ok]
     med = [r["steps_per_s_median"] for r in ok]
     err = [[m - r["steps_per_s_min"] for m, r in zip(med, ok)], [r["steps_per_s_max"] - m for m, r in zip(med, ok)]]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(ok) + 1.5))
-    bars = ax.barh(names, med, xerr=err, color=["#888888" if n == BASELINE else "#3b75af" for n in names])
+    bars = ax.barh(names, med, xerr=err, color=["#888888" if r["peer"] == BASELINE else "#3b75af" for r in ok])
     for bar, r in zip(bars, ok):
         if r["ratio_vs_bare"] is not None:
             # Right of the error bar, so the two never overlap.
@@ -231,6 +249,15 @@ def _write_png(bench: BenchResult, rows: List[Dict[str, object]], path: str) -> 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+_EXTENSIONS = ("json", "csv", "md", "png")
+
+
+def existing_reports(out_dir: str, workload: str, size: str) -> List[str]:
+    """The result files a run of ``workload``/``size`` would overwrite in ``out_dir``."""
+    stem = os.path.join(out_dir, f"{workload}-{size}")
+    return [f"{stem}.{ext}" for ext in _EXTENSIONS if os.path.exists(f"{stem}.{ext}")]
 
 
 def write_reports(
