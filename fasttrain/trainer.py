@@ -573,9 +573,9 @@ class Trainer:
             if interrupt.stop_requested:  # a host bool set by the signal handler
                 raise signals.TrainingInterrupted(interrupt.signal_number)
         self.train_epoch_end()
-        self._flush(buffer, is_epoch_end=True)
+        metrics = self._flush(buffer, is_epoch_end=True)
         self._train_buffer = None
-        self._add_epoch_loss_to_run_history("train_loss_epoch", buffer)
+        self._add_epoch_loss_to_run_history("train_loss_epoch", metrics)
         handler.call_event("on_train_epoch_end", self)
         return reached_max_steps
 
@@ -610,19 +610,19 @@ class Trainer:
             if interrupt.stop_requested:  # checked before the next batch is fetched
                 raise signals.TrainingInterrupted(interrupt.signal_number)
         self.eval_epoch_end()
-        self._flush(buffer, is_epoch_end=True)
+        metrics = self._flush(buffer, is_epoch_end=True)
         if is_intermediate:
             name = "intermediate_eval_loss"
         elif is_training:
             name = "eval_loss_epoch"
         else:
             name = "evaluation_loss"
-        self._add_epoch_loss_to_run_history(name, buffer)
+        self._add_epoch_loss_to_run_history(name, metrics)
         handler.call_event("on_eval_epoch_end", self, is_intermediate=is_intermediate)
 
     def _flush(self, buffer: StepMetricsBuffer, is_epoch_end: bool):
         if len(buffer) == 0 and not is_epoch_end:
-            return
+            return None
         train = buffer.phase == "train"
         guard = self._nonfinite
         metrics = buffer.flush(
@@ -643,18 +643,16 @@ class Trainer:
         self.callback_handler.call_event("on_metrics_flush", self, metrics=metrics)
         if stop is not None:
             raise stop
+        return metrics
 
-    def _add_epoch_loss_to_run_history(self, metric_name: str, buffer: StepMetricsBuffer):
-        totals = torch.tensor(
-            [buffer.loss_sum, buffer.sample_count],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        if self.run_config.is_distributed:
-            # SYNC: one all-reduce per epoch makes the epoch loss the mean over all processes
-            totals = self._accelerator.reduce(totals, reduction="sum")
-        total_loss, count = totals.tolist()
-        self.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
+    def _add_epoch_loss_to_run_history(self, metric_name: str, metrics):
+        """Record the epoch's mean loss from its epoch-end flush: host values only. With several
+        processes that flush already carries the totals of all of them (shared together with
+        the stop decisions), so nothing more is read or reduced here."""
+        loss_sum, count = metrics.global_epoch_loss_sum, metrics.global_epoch_sample_count
+        if loss_sum is None:  # no process-wide totals at this flush: this process's own
+            loss_sum, count = metrics.epoch_loss_sum, metrics.epoch_sample_count
+        self.run_history.update_metric(metric_name, loss_sum / count if count else float("nan"))
 
     # ------------------------------------------------------------------ engine support
     def _loss_for_backward(self, batch_output: dict):
