@@ -278,6 +278,8 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
                 f.flush()
                 os.fsync(f.fileno())
             _swap_into_place(staging, output_dir)
+    # named by the non-finite stop message: a state written after a flush found nothing wrong
+    trainer._last_good_save = f"train(..., resume_from={os.fspath(output_dir)!r})"
     return True
 
 

@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from fasttrain import checkpointing, signals
 from fasttrain.callbacks import (
@@ -521,7 +522,9 @@ class Trainer:
     def _stop_training(self, error: StopTrainingError):
         """End the run after ``error`` and record why (``stop_reason``); a signal's stop saves
         the training state and fires ``on_training_interrupted`` first."""
-        self._accelerator.print(error)
+        if self._accelerator.is_local_main_process:
+            # on a line of its own, not after the progress bar of the epoch it interrupted
+            tqdm.write(str(error))
         if isinstance(error, signals.TrainingInterrupted):
             signals.finish_interrupted_run(self, error.signal_number)
         elif self.stop_reason is None:

@@ -47,11 +47,16 @@ class TerminateOnNaNCallback(TrainerCallback):
                 (i for i, loss in zip(metrics.step_indices, metrics.losses) if loss != loss or loss in (float("inf"), float("-inf"))),
                 None,
             )
-            phase = "training" if metrics.phase == "train" else "validation"
-            raise StopTrainingError(
-                f"Stopping training due to a non-finite {phase} loss at step {bad} of epoch "
-                f"{metrics.epoch}"
-            )
+            # the trainer's guard has already described the stop in full (update, weights,
+            # remedies); its message is used when it has one
+            message = getattr(getattr(trainer, "_nonfinite", None), "stop_message", None)
+            if message is None:
+                phase = "training" if metrics.phase == "train" else "validation"
+                message = (
+                    f"Stopping training due to a non-finite {phase} loss at step {bad} of epoch "
+                    f"{metrics.epoch}"
+                )
+            raise StopTrainingError(message)
 
 
 class PrintProgressCallback(TrainerCallback):
@@ -114,6 +119,13 @@ class ProgressBarCallback(TrainerCallback):
     def on_train_epoch_end(self, trainer, **kwargs):
         if self.pbar is not None:
             self.pbar.close()
+
+    def on_stop_training_error(self, trainer, **kwargs):
+        # the epoch will not end: close its bars where they stand, so that what is printed next
+        # starts on a line of its own
+        for bar in (self.pbar, self.eval_pbar):
+            if bar is not None:
+                bar.close()
 
     def on_eval_epoch_start(self, trainer, **kwargs):
         self.eval_pbar = self._new_bar(trainer, trainer._eval_dataloader, "eval")
