@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 from torch import nn
 from tqdm import tqdm
@@ -84,15 +85,19 @@ class PrintProgressCallback(TrainerCallback):
 class ProgressBarCallback(TrainerCallback):
     """A tqdm bar per epoch showing steps, the running loss and samples per second.
 
-    The step count is a host counter; the loss and throughput come from the batched flushes.
+    The step count is a host counter; the loss and throughput come from the batched flushes. At
+    the end of an epoch the bar shows the epoch's totals: every step it ran (also when a resumed
+    run started mid-epoch), the epoch's mean loss and its samples per second over the epoch.
     """
 
     def __init__(self, file=None):
         self.pbar = None
         self.eval_pbar = None
         self._file = file
+        self._started = {}
 
     def _new_bar(self, trainer, dataloader, desc):
+        self._started[desc] = time.perf_counter()
         return tqdm(
             total=len(dataloader),
             desc=desc,
@@ -104,17 +109,30 @@ class ProgressBarCallback(TrainerCallback):
     def on_train_epoch_start(self, trainer, **kwargs):
         self.pbar = self._new_bar(trainer, trainer._train_dataloader, "train")
 
-    def on_train_step_end(self, trainer, **kwargs):
-        self.pbar.update(1)
+    def on_train_step_end(self, trainer, step=None, **kwargs):
+        # the step index, not a count of calls: a run resumed mid-epoch starts past 0
+        if step is not None and step + 1 > self.pbar.n:
+            self.pbar.update(step + 1 - self.pbar.n)
+        else:
+            self.pbar.update(1)
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
-        bar = self.pbar if metrics.phase == "train" else self.eval_pbar
+        train = metrics.phase == "train"
+        bar = self.pbar if train else self.eval_pbar
         if bar is None or bar.disable:
             return
         postfix = {"loss": f"{metrics.global_epoch_mean_loss:.4g}"}
-        if metrics.elapsed_s > 0:
-            postfix["samples/s"] = f"{metrics.num_samples / metrics.elapsed_s:.4g}"
+        if metrics.is_epoch_end:
+            # the whole epoch's rate: the last flush may hold few steps, or none at all
+            elapsed = time.perf_counter() - self._started["train" if train else "eval"]
+            samples = metrics.epoch_sample_count
+        else:
+            elapsed, samples = metrics.elapsed_s, metrics.num_samples
+        if elapsed > 0 and samples > 0:
+            postfix["samples/s"] = f"{samples / elapsed:.4g}"
         bar.set_postfix(postfix, refresh=False)
+        if metrics.is_epoch_end:
+            bar.refresh()
 
     def on_train_epoch_end(self, trainer, **kwargs):
         if self.pbar is not None:
