@@ -31,6 +31,7 @@ from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
 from fasttrain.run_config import TrainerRunConfig, build_run_config
 from fasttrain.step_metrics import StepMetricsBuffer
+from fasttrain.torch_logs import quiet_profiler_notices
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
 from fasttrain import validation
@@ -461,6 +462,7 @@ class Trainer:
         )
 
     def _setup_engine(self):
+        quiet_profiler_notices()  # the compiled optimizer step's marker is not the user's concern
         self._engine = create_engine(self.engine_name, self)
         self._engine.setup()
 
