@@ -66,3 +66,10 @@ def test_resumed_epoch_ends_at_its_total(tmp_path):
     _trainer(out).train(_data(96), num_epochs=1, resume_from=str(state), **KW)
     bars = _final_bars(out.getvalue())
     assert bars[-1].startswith("train: 100%") and "24/24" in bars[-1], bars
+
+
+def test_bar_total_is_the_steps_max_num_train_steps_leaves():
+    out = io.StringIO()
+    _trainer(out).train(_data(96), num_epochs=1, max_num_train_steps=5, gradient_accumulation_steps=2, **KW)
+    bars = _final_bars(out.getvalue())
+    assert bars[-1].startswith("train: 100%") and "10/10" in bars[-1], bars

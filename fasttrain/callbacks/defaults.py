@@ -108,13 +108,19 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_train_epoch_start(self, trainer, **kwargs):
         self.pbar = self._new_bar(trainer, trainer._train_dataloader, "train")
+        config = trainer.run_config
+        if config is not None and config.max_num_train_steps is not None:
+            # a run that reaches max_num_train_steps in this epoch ends before the loader does
+            left = (config.max_num_train_steps - trainer._num_updates) * config.gradient_accumulation_steps
+            self.pbar.total = max(0, min(self.pbar.total, left))
 
-    def on_train_step_end(self, trainer, step=None, **kwargs):
+    def on_train_step_end(self, trainer, step, **kwargs):
         # the step index, not a count of calls: a run resumed mid-epoch starts past 0
-        if step is not None and step + 1 > self.pbar.n:
-            self.pbar.update(step + 1 - self.pbar.n)
-        else:
-            self.pbar.update(1)
+        bar = self.pbar
+        if step >= bar.n:
+            if step >= bar.total:  # resumed mid-epoch: the steps before count too
+                bar.total = min(step + 1 + bar.total, len(trainer._train_dataloader))
+            bar.update(step + 1 - bar.n)
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
         train = metrics.phase == "train"
