@@ -141,3 +141,21 @@ def test_trainer_callbacks_error_says_what_to_pass():
     m = nn.Linear(2, 1)
     with pytest.raises(TypeError, match=r"callbacks must be a list of callback classes or instances \(or None"):
         Trainer(m, nn.MSELoss(), torch.optim.SGD(m.parameters(), lr=0.1), callbacks=3)
+
+
+def test_missing_matplotlib_says_how_to_get_the_chart(tmp_path, monkeypatch, capsys):
+    import fasttrain.bench.report as report
+    import fasttrain.cli as cli
+
+    monkeypatch.setattr(cli, "_has_matplotlib", lambda: False)
+    monkeypatch.setattr(report, "_write_png", lambda *a: False)
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["bench", "--steps", "2", "--warmup", "1", "--repeats", "1", "--peers", "bare",
+                   "--out", str(tmp_path), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.count("pip install 'fasttrain[plot]'") == 1
+    assert not (tmp_path / "mlp-tiny.png").exists()
