@@ -89,6 +89,11 @@ def test_tables_name_the_engine_that_ran():
     rows = summarize(bench)
     assert [r["engine"] for r in rows] == [None, "compiled", "eager"]
     assert rows[1]["engine_fallback"] == "CUDA graphs need a CUDA device"
+    # ratios paired per repeat: 0.010/0.020, 0.012/0.024, 0.011/0.021
+    assert (rows[1]["ratio_vs_bare"], rows[1]["ratio_vs_bare_min"], rows[1]["ratio_vs_bare_max"]) == pytest.approx(
+        (0.5, 0.5, 0.011 / 0.021)
+    )
+    assert "0.50 [0.50-0.52]" in format_table(bench, rows)
     for text in (format_table(bench, rows), format_markdown(bench, rows)):
         assert "fasttrain-cudagraph (ran compiled)" in text
         assert "fasttrain-eager (ran" not in text

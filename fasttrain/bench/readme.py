@@ -24,6 +24,7 @@ import re
 import statistics
 from typing import Dict, List, Optional
 
+from fasttrain.bench.report import paired_ratios
 from fasttrain.bench.runner import peer_label
 
 _BLOCK = re.compile(
@@ -45,14 +46,6 @@ def _rate(value: Optional[float]) -> str:
         if value >= scale:
             return f"{value / scale:.3g}{unit}"
     return f"{value:.3g}"
-
-
-def paired_ratios(peer_times: List[float], base_times: List[float]) -> List[float]:
-    """Per-repeat throughput ratios of a peer to the baseline (``base_time / peer_time``); empty
-    when the two do not have the same repeats (one dropped a repeat as noise)."""
-    if len(peer_times) != len(base_times) or not peer_times:
-        return []
-    return [b / p for p, b in zip(peer_times, base_times)]
 
 
 def _range(values: List[float], spec: str = ".2f") -> str:

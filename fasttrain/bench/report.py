@@ -1,8 +1,9 @@
 """Turning a :class:`~fasttrain.bench.runner.BenchResult` into tables and files.
 
 Throughput is summarised by the median over repeats, with the minimum and maximum beside it so a
-noisy run shows itself. Ratios divide medians of the same run: ``x bare`` is a peer's steps/s over
-the bare loop's (above 1 is faster), ``x pt-acc`` the same against pytorch-accelerated.
+noisy run shows itself. Ratios are paired per repeat (:func:`paired_ratios`): ``x bare`` is the
+median over repeats of a peer's steps/s over the bare loop's in the same repeat (above 1 is
+faster), with their minimum and maximum; ``x pt-acc`` the same against pytorch-accelerated.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import statistics
+import textwrap
 from typing import Dict, List, Optional
 
 from fasttrain.bench.peers import BASELINE
@@ -36,6 +38,8 @@ CSV_FIELDS = (
     "items_per_s_max",
     "ms_per_step_median",
     "ratio_vs_bare",
+    "ratio_vs_bare_min",
+    "ratio_vs_bare_max",
     "ratio_vs_pytorch_accelerated",
     "host_syncs_per_step",
     "cuda_syncs_per_step",
@@ -49,6 +53,25 @@ CSV_FIELDS = (
     "setup_s",
     "notes",
 )
+
+
+def paired_ratios(peer_times: List[float], base_times: List[float]) -> List[float]:
+    """Per-repeat throughput ratios of a peer to a reference (``base_time / peer_time``). The
+    repeats are interleaved, so repeat r of every peer ran under the same machine conditions and
+    each ratio is a paired measurement. Empty when the two do not have the same repeats (one
+    dropped a repeat as noise)."""
+    if len(peer_times) != len(base_times) or not peer_times:
+        return []
+    return [b / p for p, b in zip(peer_times, base_times)]
+
+
+def _ratio(times: Dict[str, List[float]], medians: Dict[str, float], name: str, ref: str):
+    """(median, min, max) of the paired ratios of ``name`` to ``ref``; the ratio of the medians
+    (no range) when the repeats do not pair up."""
+    ratios = paired_ratios(times[name], times[ref])
+    if ratios:
+        return statistics.median(ratios), min(ratios), max(ratios)
+    return medians[name] / medians[ref], None, None
 
 
 def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Dict[str, object]]:
@@ -101,10 +124,13 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
                 items_per_s_max=rates[-1] * items_per_step,
                 ms_per_step_median=1000.0 / med,
             )
+            times = {q.name: q.step_times for q in bench.peers if q.name in medians}
             if BASELINE in medians:
-                row["ratio_vs_bare"] = med / medians[BASELINE]
+                row["ratio_vs_bare"], row["ratio_vs_bare_min"], row["ratio_vs_bare_max"] = _ratio(
+                    times, medians, p.name, BASELINE
+                )
             if PTA in medians:
-                row["ratio_vs_pytorch_accelerated"] = med / medians[PTA]
+                row["ratio_vs_pytorch_accelerated"] = _ratio(times, medians, p.name, PTA)[0]
             if flops_per_step and peak_flops:
                 row["mfu"] = flops_per_step * med / peak_flops
             if p.invalid_repeats:
@@ -136,7 +162,7 @@ def _label(row: Dict[str, object]) -> str:
 def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
     """Header plus one list of cells per peer, shared by the terminal and Markdown tables."""
     items = next((r["items"] for r in rows), "samples")
-    header = ["peer", "steps/s [min-max]", f"{items}/s", "x bare", "x pt-acc", "syncs/step",
+    header = ["peer", "steps/s [min-max]", f"{items}/s", "x bare [min-max]", "x pt-acc", "syncs/step",
               "recompiles", "peak MB", "MFU", "GPU util"]
     out = [header]
     for r in rows:
@@ -150,7 +176,10 @@ def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
             _label(r) + (" *" if r["notes"] else ""),
             f"{_rate(r['steps_per_s_median'])} [{_rate(r['steps_per_s_min'])}-{_rate(r['steps_per_s_max'])}]",
             _rate(r["items_per_s_median"]),
-            _fmt(r["ratio_vs_bare"], ".2f"),
+            _fmt(r["ratio_vs_bare"], ".2f") + (
+                f" [{r['ratio_vs_bare_min']:.2f}-{r['ratio_vs_bare_max']:.2f}]"
+                if r["ratio_vs_bare_min"] is not None else ""
+            ),
             _fmt(r["ratio_vs_pytorch_accelerated"], ".2f"),
             syncs,
             str(r["recompiles_after_warmup"]),
@@ -244,7 +273,7 @@ def _write_png(bench: BenchResult, rows: List[Dict[str, object]], path: str) -> 
     ax.set_xlim(0, max(r["steps_per_s_max"] for r in ok) * 1.15)
     ax.invert_yaxis()
     ax.set_xlabel("steps/s (median, min-max over repeats)")
-    ax.set_title(_title(bench), fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(_title(bench), 110)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
