@@ -215,12 +215,13 @@ def first_nonfinite_update(metrics, accumulation_steps: int) -> Optional[int]:
 
 def _weights_finite(trainer) -> Optional[bool]:
     model = getattr(trainer, "model", None)
-    params = [p.detach() for p in model.parameters()] if model is not None else []
+    # sharded parameters (FSDP's DTensors): this process's shards say enough
+    params = [getattr(p, "_local_tensor", p).detach() for p in model.parameters()] if model is not None else []
     if not params:
         return None
-    flags = torch.stack([torch.isfinite(p).all() for p in params])
+    flags = torch.stack([torch.isfinite(p).all() for p in params if p.numel()])
     # SYNC(stop): once, when training stops, to say whether the model in memory is still usable
-    return bool(flags.all().item())
+    return bool(flags.all().item()) if flags.numel() else None
 
 
 def stop_message(trainer, metrics, reason: str) -> str:
