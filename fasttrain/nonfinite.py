@@ -219,9 +219,11 @@ def _weights_finite(trainer) -> Optional[bool]:
     params = [getattr(p, "_local_tensor", p).detach() for p in model.parameters()] if model is not None else []
     if not params:
         return None
-    flags = torch.stack([torch.isfinite(p).all() for p in params if p.numel()])
+    flags = [torch.isfinite(p).all() for p in params if p.numel()]
+    if not flags:
+        return None
     # SYNC(stop): once, when training stops, to say whether the model in memory is still usable
-    return bool(flags.all().item()) if flags.numel() else None
+    return bool(torch.stack(flags).all().item())
 
 
 def stop_message(trainer, metrics, reason: str) -> str:
