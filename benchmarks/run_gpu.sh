@@ -48,7 +48,7 @@ bench() {
     local name=$1
     shift
     echo "== fasttrain bench $*" >&2
-    if ! "$PY" -m fasttrain.cli bench --device cuda --no-progress --out "$OUT" "$@" "${EXTRA[@]}" \
+    if ! "$PY" -m fasttrain.cli bench --device cuda --no-progress --force --out "$OUT" "$@" "${EXTRA[@]}" \
         2>"$OUT/$name.stderr" | tee "$OUT/$name.txt"; then
         FAILED+=("$name (see $OUT/$name.stderr)")
     fi

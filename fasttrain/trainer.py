@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from fasttrain import checkpointing, signals
 from fasttrain.compat import ForwardBackwardHelper
@@ -37,6 +38,7 @@ from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
 from fasttrain.run_config import TrainerRunConfig, build_run_config, uneven_eval_batches_message
 from fasttrain.step_metrics import StepMetricsBuffer
+from fasttrain.torch_logs import quiet_profiler_notices
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
 from fasttrain import validation
@@ -70,6 +72,26 @@ def replace_trainer_placeholder_values(trainer, instance):
         "EVAL_DATALOADER_LEN": len(eval_dl) if eval_dl is not None else None,
     }
     return resolve_placeholders(instance, values)
+
+
+def _callback_sequence(callbacks) -> tuple:
+    """``callbacks`` as a tuple: ``None`` means no callbacks, a single callback (class or
+    instance) is accepted alone; anything else must be an iterable of callbacks."""
+    from fasttrain.callbacks import TrainerCallback
+
+    if callbacks is None:
+        return ()
+    if isinstance(callbacks, TrainerCallback) or (
+        isinstance(callbacks, type) and issubclass(callbacks, TrainerCallback)
+    ):
+        return (callbacks,)
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            f"callbacks must be a list of callback classes or instances (or None for no callbacks), "
+            f"not {type(callbacks).__name__}; for example callbacks=[ProgressBarCallback] or "
+            "callbacks=DEFAULT_CALLBACKS"
+        )
+    return tuple(callbacks)
 
 
 class Trainer(ForwardBackwardHelper):
@@ -142,7 +164,7 @@ class Trainer(ForwardBackwardHelper):
         self.model = model
         self.loss_func = loss_func
         self.optimizer = optimizer
-        self._callbacks = callbacks
+        self._callbacks = _callback_sequence(callbacks)
         self.callback_handler = self._create_callback_handler()
         self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
         self.engine_name = engine
@@ -465,6 +487,7 @@ class Trainer(ForwardBackwardHelper):
         )
 
     def _setup_engine(self):
+        quiet_profiler_notices()  # the compiled optimizer step's marker is not the user's concern
         self._engine = create_engine(self.engine_name, self)
         self._engine.setup()
 
@@ -533,7 +556,9 @@ class Trainer(ForwardBackwardHelper):
     def _stop_training(self, error: StopTrainingError):
         """End the run after ``error`` and record why (``stop_reason``); a signal's stop saves
         the training state and fires ``on_training_interrupted`` first."""
-        self._accelerator.print(error)
+        if self._accelerator.is_local_main_process:
+            # on a line of its own, not after the progress bar of the epoch it interrupted
+            tqdm.write(str(error))
         if isinstance(error, signals.TrainingInterrupted):
             signals.finish_interrupted_run(self, error.signal_number)
         elif self.stop_reason is None:
@@ -585,9 +610,9 @@ class Trainer(ForwardBackwardHelper):
             if interrupt.stop_requested:  # a host bool set by the signal handler
                 raise signals.TrainingInterrupted(interrupt.signal_number)
         self.train_epoch_end()
-        self._flush(buffer, is_epoch_end=True)
+        metrics = self._flush(buffer, is_epoch_end=True)
         self._train_buffer = None
-        self._add_epoch_loss_to_run_history("train_loss_epoch", buffer)
+        self._add_epoch_loss_to_run_history("train_loss_epoch", metrics)
         handler.call_event("on_train_epoch_end", self)
         return reached_max_steps
 
@@ -622,19 +647,19 @@ class Trainer(ForwardBackwardHelper):
             if interrupt.stop_requested:  # checked before the next batch is fetched
                 raise signals.TrainingInterrupted(interrupt.signal_number)
         self.eval_epoch_end()
-        self._flush(buffer, is_epoch_end=True)
+        metrics = self._flush(buffer, is_epoch_end=True)
         if is_intermediate:
             name = "intermediate_eval_loss"
         elif is_training:
             name = "eval_loss_epoch"
         else:
             name = "evaluation_loss"
-        self._add_epoch_loss_to_run_history(name, buffer)
+        self._add_epoch_loss_to_run_history(name, metrics)
         handler.call_event("on_eval_epoch_end", self, is_intermediate=is_intermediate)
 
     def _flush(self, buffer: StepMetricsBuffer, is_epoch_end: bool):
         if len(buffer) == 0 and not is_epoch_end:
-            return
+            return None
         train = buffer.phase == "train"
         guard = self._nonfinite
         metrics = buffer.flush(
@@ -655,18 +680,16 @@ class Trainer(ForwardBackwardHelper):
         self.callback_handler.call_event("on_metrics_flush", self, metrics=metrics)
         if stop is not None:
             raise stop
+        return metrics
 
-    def _add_epoch_loss_to_run_history(self, metric_name: str, buffer: StepMetricsBuffer):
-        totals = torch.tensor(
-            [buffer.loss_sum, buffer.sample_count],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        if self.run_config.is_distributed:
-            # SYNC: one all-reduce per epoch makes the epoch loss the mean over all processes
-            totals = self._accelerator.reduce(totals, reduction="sum")
-        total_loss, count = totals.tolist()
-        self.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
+    def _add_epoch_loss_to_run_history(self, metric_name: str, metrics):
+        """Record the epoch's mean loss from its epoch-end flush: host values only. With several
+        processes that flush already carries the totals of all of them (shared together with
+        the stop decisions), so nothing more is read or reduced here."""
+        loss_sum, count = metrics.global_epoch_loss_sum, metrics.global_epoch_sample_count
+        if loss_sum is None:  # no process-wide totals at this flush: this process's own
+            loss_sum, count = metrics.epoch_loss_sum, metrics.epoch_sample_count
+        self.run_history.update_metric(metric_name, loss_sum / count if count else float("nan"))
 
     # ------------------------------------------------------------------ engine support
     def _loss_for_backward(self, batch_output: dict):

@@ -271,6 +271,20 @@ class FasttrainPeer(_TrainerPeer):
             mixed_precision="bf16" if self.workload.amp_dtype else "no",
         )
 
+    @property
+    def engine_ran(self) -> Optional[str]:
+        """The engine that ran the last training steps (another one after a fallback)."""
+        engine = getattr(getattr(self, "trainer", None), "_engine", None)
+        if engine is None:
+            return None
+        return getattr(engine, "active_engine", engine.name)
+
+    def run(self, num_steps: int) -> None:
+        super().run(num_steps)
+        if self.trainer.stop_reason == "interrupted":
+            # the trainer's own SIGINT handler ended train() early; the benchmark must stop too
+            raise KeyboardInterrupt
+
 
 def _fasttrain_peer(engine: str):
     return type(f"Fasttrain{engine.title()}Peer", (FasttrainPeer,), {"name": f"fasttrain-{engine}", "engine": engine})
