@@ -41,6 +41,7 @@ from fasttrain.callbacks.events import (
     StopTrainingError,
     TrainerCallback,
 )
+from fasttrain.callbacks.trackers import AccelerateTrackerCallback
 
 __all__ = [
     "TrainerCallback",
@@ -62,6 +63,7 @@ __all__ = [
     "LimitBatchesCallback",
     "SaveTrainingStateCallback",
     "WSDCheckpointCallback",
+    "AccelerateTrackerCallback",
     "EVENTS",
     "PER_STEP_EVENTS",
 ]
