@@ -76,7 +76,17 @@ def _run_variant(variant: str, blocks: int) -> dict:
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    return {"variant": variant, "step_s": times, "losses": losses}
+    from torch._dynamo.utils import compile_times, counters
+
+    # where the first step's time went: seconds per compile phase, summed over its calls
+    table = dict(line.rsplit(", ", 1) for line in compile_times(repr="str", aggregate=True).splitlines()
+                 if ", " in line)
+    phases = {name: round(float(table[name]), 2) for name in table
+              if name in ("_compile.compile_inner", "create_aot_dispatcher_function", "compile_fx_inner",
+                          "compile_fx.<locals>.bw_compiler", "GraphLowering.compile_to_module",
+                          "OutputGraph.call_user_compiler")}
+    return {"variant": variant, "step_s": times, "losses": losses, "phases_s": phases,
+            "graphs": counters["stats"]["unique_graphs"]}
 
 
 def _in_fresh_process(variant: str, blocks: int) -> dict:
@@ -111,13 +121,13 @@ def main(argv=None) -> None:
         f"torch {torch.__version__}, Python {platform.python_version()}",
         "- each variant in a fresh process with an empty Inductor cache; step = forward + backward + SGD",
         "",
-        "| variant | first step (s) | second step (s) | losses (3 steps) |",
-        "|---|---|---|---|",
+        "| variant | first step (s) | second step (s) | graphs | losses (3 steps) | compile phases (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for v in ("eager", "whole", "regional"):
         r = results[v]
-        lines.append(f"| {v} | {r['step_s'][0]:.2f} | {r['step_s'][1]:.4f} | "
-                     f"{', '.join(f'{l:.7f}' for l in r['losses'])} |")
+        lines.append(f"| {v} | {r['step_s'][0]:.2f} | {r['step_s'][1]:.4f} | {r['graphs']} | "
+                     f"{', '.join(f'{l:.7f}' for l in r['losses'])} | {r['phases_s']} |")
     lines += ["", f"First-step ratio whole / regional: **{ratio:.2f}x**; "
               f"largest loss difference whole vs regional: {same:.2e}"]
     text = "\n".join(lines) + "\n"
