@@ -41,6 +41,7 @@ from fasttrain.callbacks.events import (
     StopTrainingError,
     TrainerCallback,
 )
+from fasttrain.callbacks.device_metrics import DeviceMetricsCallback
 from fasttrain.callbacks.trackers import AccelerateTrackerCallback
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "SaveTrainingStateCallback",
     "WSDCheckpointCallback",
     "AccelerateTrackerCallback",
+    "DeviceMetricsCallback",
     "EVENTS",
     "PER_STEP_EVENTS",
 ]
