@@ -28,7 +28,9 @@ def test_same_losses_as_whole_model_compile_one_graph_for_all_blocks():
     # the three blocks share one forward graph: no recompiles for blocks 1 and 2
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     whole, _ = train_losses("compiled")
-    torch.testing.assert_close(regional, whole, rtol=0, atol=1e-6)
+    # Inductor fuses one block differently from the whole graph, so fp32 sums are reassociated
+    # (a few ulp per step, which AdamW's normalisation carries into later steps)
+    torch.testing.assert_close(regional, whole, rtol=2e-6, atol=1e-6)
 
 
 def test_with_the_compiled_engine_losses_match():
