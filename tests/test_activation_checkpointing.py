@@ -69,3 +69,20 @@ def test_bad_module_types_say_what_to_pass():
         apply_activation_checkpointing(Stack(), torch.nn.Conv2d)
     with pytest.raises(ValueError, match="name its blocks"):
         apply_activation_checkpointing(Stack(), Stack)
+
+
+@pytest.mark.gpu
+def test_lower_peak_cuda_memory():
+    def peak(checkpointing):
+        torch.manual_seed(0)
+        model = Stack(blocks=8, dim=256).cuda()
+        if checkpointing:
+            apply_activation_checkpointing(model, Block)
+        x = torch.randn(4096, 4, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model(x).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    assert peak(True) < 0.5 * peak(False)
