@@ -72,6 +72,7 @@ def test_bad_module_types_say_what_to_pass():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_lower_peak_cuda_memory():
     def peak(checkpointing):
         torch.manual_seed(0)

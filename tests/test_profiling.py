@@ -110,6 +110,7 @@ def test_peak_cpu_memory_counts_live_tensors():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphed_steps_show_their_kernels(tmp_path, capsys):
     from fasttrain.cli import main
 
