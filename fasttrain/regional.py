@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence, Tuple, Type, Union
 
-import torch
 from torch import nn
 
 __all__ = ["compile_regions", "find_repeated_blocks"]

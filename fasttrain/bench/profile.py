@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, List, Sequence, Tuple
 
-import torch
 from torch.autograd import DeviceType
 
 __all__ = ["StepGap", "step_gaps", "top_operators", "run_profile"]
