@@ -109,3 +109,19 @@ def test_only_process_zero_starts_trackers(tmp_path):
     cb.on_training_run_start(_Rank1())
     cb.on_training_run_end(_Rank1())
     assert cb.trackers == [] and list(tmp_path.iterdir()) == []
+
+
+@needs_tb
+def test_evaluate_alone_writes_and_closes(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    cb = TensorBoardLoggerCallback(tmp_path)
+    trainer = Trainer(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01),
+                      callbacks=[cb], engine="eager")
+    trainer.evaluate(torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), per_device_batch_size=4,
+                     dataloader_kwargs={"num_workers": 0})
+    assert cb.trackers == []
+    scalars = _read_tensorboard(tmp_path)
+    assert [v for _, v in scalars["epoch/evaluation_loss"]] == pytest.approx(
+        trainer.run_history.get_metric_values("evaluation_loss"))
+    assert [s for s, _ in scalars["eval/loss"]] == [1, 2]

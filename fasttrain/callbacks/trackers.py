@@ -43,7 +43,7 @@ class AccelerateTrackerCallback(FlushLogger):
 
     The trackers start at the first training or evaluation run and stay open across later
     ``train()`` calls (one run in the tracker); call :meth:`finish` when done, or pass
-    ``finish_at_run_end=True`` to close them at the end of each ``train()``.
+    ``finish_at_run_end=True`` to close them at the end of each ``train()`` and ``evaluate()``.
     """
 
     def __init__(
@@ -129,6 +129,11 @@ class AccelerateTrackerCallback(FlushLogger):
 
     def on_training_run_end(self, trainer, **kwargs):
         super().on_training_run_end(trainer, **kwargs)
+        if self.finish_at_run_end:
+            self.finish()
+
+    def on_evaluation_run_end(self, trainer, **kwargs):
+        super().on_evaluation_run_end(trainer, **kwargs)
         if self.finish_at_run_end:
             self.finish()
 
