@@ -34,10 +34,13 @@ def main(out_dir):
         {"accuracy": MulticlassAccuracy(num_classes=3, average="micro", validate_args=False)},
         inputs=inputs,
     )
-    count = DeviceMetricsCallback({"samples": SumMetric(nan_strategy="disable")}, inputs=lambda b, o: (torch.ones_like(b[1]),))
+    # a second instance needs its own class: a Trainer refuses two callbacks of one class
+    class SampleCount(DeviceMetricsCallback):
+        pass
+
+    count = SampleCount({"samples": SumMetric(nan_strategy="disable")}, inputs=lambda b, o: (torch.ones_like(b[1]),))
     trainer = Trainer(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                      callbacks=[metrics, type("SampleCount", (DeviceMetricsCallback,), {})(
-                          count.metrics, inputs=count.inputs)], engine="eager")
+                      callbacks=[metrics, count], engine="eager")
     trainer.train(TensorDataset(x, y), num_epochs=2, eval_dataset=TensorDataset(ex, ey), per_device_batch_size=4,
                   train_dataloader_kwargs={"num_workers": 0, "shuffle": False},
                   eval_dataloader_kwargs={"num_workers": 0})
