@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "descheduled on a shared host (default auto: cpu for single-threaded CPU runs, "
                    "wall otherwise)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--profile", action="store_true",
+                   help="instead of comparing peers, profile fasttrain (--engine) on the workload: write a "
+                        "Chrome trace under --out and print the top kernels and the host-side gap per step")
+    b.add_argument("--engine", choices=("auto", "eager", "compiled", "cudagraph"), default="auto",
+                   help="fasttrain engine for --profile (default: auto)")
 
     r = sub.add_parser(
         "readme",
@@ -204,6 +209,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
         args.workload, size=size, device=device, batch_size=args.batch_size,
         channels_last=args.channels_last, precision=args.precision,
     )
+    if args.profile:
+        from fasttrain.bench.profile import run_profile
+
+        print(run_profile(workload, out_dir, engine=args.engine, warmup=args.warmup or 3, steps=args.steps or 5))
+        return 0
     precision = "bf16" if workload.amp_dtype is not None else "fp32"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, precision)
     environment = describe_environment(device)

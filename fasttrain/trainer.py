@@ -120,6 +120,13 @@ class Trainer(ForwardBackwardHelper):
     :param resume_data_skip: how a run resumed mid-epoch passes over the batches already trained
         on: ``"sampler"`` draws their indices without loading them, ``"replay"`` loads and drops
         them (needed for an exact resume when data-loader workers draw random augmentations).
+    :param activation_checkpointing: module classes (one, or a tuple) whose forward is
+        recomputed in the backward instead of keeping its activations
+        (:mod:`fasttrain.checkpoint_activations`).
+    :param compile_regions: compile each repeated block once instead of the whole model
+        (:mod:`fasttrain.regional`): ``True`` finds the blocks, or give their classes. It shortens
+        compile time with ``engine="eager"`` (the compiled engines compile the whole step, blocks
+        included); it takes ``compile_options``.
     """
 
     def __init__(
@@ -139,6 +146,8 @@ class Trainer(ForwardBackwardHelper):
         interrupt_save_dir=None,
         handle_signals: bool = True,
         resume_data_skip: str = "sampler",
+        activation_checkpointing=None,
+        compile_regions=None,
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
@@ -161,7 +170,9 @@ class Trainer(ForwardBackwardHelper):
         self._nonfinite_applied = False
         self._epoch_in_progress = None
         self._epoch_start_loader_iteration = None
-        self.model = model
+        self.model = validation.apply_model_transforms(
+            model, activation_checkpointing, compile_regions, compile_options
+        )
         self.loss_func = loss_func
         self.optimizer = optimizer
         self._callbacks = _callback_sequence(callbacks)
