@@ -19,6 +19,7 @@ import argparse
 import glob
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,8 +75,32 @@ def wheel_files(folder: str) -> List[str]:
 def _pip(args: List[str], what: str) -> None:
     result = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
     if result.returncode != 0:
-        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
-        raise SetupError(f"{what} failed: {lines[-1] if lines else f'pip exited {result.returncode}'}")
+        raise SetupError(f"{what} failed: {pip_error_line(result.stderr + result.stdout, result.returncode)}")
+
+
+def pip_error_line(output: str, returncode: int) -> str:
+    """The line of pip's output that says what went wrong: the build's own ``error:`` line when
+    there is one (pip's closing lines only point back at it)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in lines:
+        if line.lower().startswith("error:") and "metadata-generation-failed" not in line and "subprocess-exited" not in line:
+            return line
+    return lines[-1] if lines else f"pip exited {returncode}"
+
+
+def build_backend_problem(setuptools_version: str, has_wheel: bool) -> Optional[str]:
+    """Why ``pip install --no-build-isolation -e .`` cannot build here, or None. setuptools gained
+    its own ``bdist_wheel`` in 70.1; older ones need the ``wheel`` package beside them."""
+    try:
+        major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", setuptools_version).groups())
+    except (AttributeError, ValueError):
+        return None
+    if (major, minor) < (70, 1) and not has_wheel:
+        return (
+            f"setuptools {setuptools_version} needs the 'wheel' package to install this copy; "
+            "install wheel, or setuptools >= 70.1"
+        )
+    return None
 
 
 def install_wheels(folder: str, target: str) -> None:
@@ -106,6 +131,11 @@ def ensure_fasttrain(check_only: bool, extra_path: Optional[str] = None) -> str:
     if check_only:
         found = f"imports from {where}" if where else "does not import"
         raise SetupError(f"fasttrain {found}; run without --check-only to install this copy ({REPO})")
+    import setuptools
+
+    problem = build_backend_problem(setuptools.__version__, importlib.util.find_spec("wheel") is not None)
+    if problem:
+        raise SetupError(problem)
     _pip(["install", "--quiet", "--no-deps", "--no-build-isolation", "-e", REPO], "pip install -e of this copy")
     where = fasttrain_location(extra_path)
     if where is None or not os.path.samefile(where, here):

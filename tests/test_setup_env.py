@@ -74,3 +74,15 @@ def test_fasttrain_from_elsewhere_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "fasttrain_location", lambda extra_path=None: None)
     with pytest.raises(S.SetupError, match="does not import"):
         S.ensure_fasttrain(check_only=True)
+
+
+def test_pip_failure_shows_the_builds_own_error():
+    output = "  running dist_info\n      error: invalid command 'bdist_wheel'\nerror: metadata-generation-failed\nhint: See above"
+    assert S.pip_error_line(output, 1) == "error: invalid command 'bdist_wheel'"
+    assert S.pip_error_line("", 3) == "pip exited 3"
+
+
+def test_old_setuptools_without_wheel_is_named():
+    assert "needs the 'wheel' package" in S.build_backend_problem("65.5.0", has_wheel=False)
+    assert S.build_backend_problem("65.5.0", has_wheel=True) is None
+    assert S.build_backend_problem("84.2.1", has_wheel=False) is None
