@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -92,6 +93,8 @@ class RunResult:
     host_read_sites: Dict[str, int] = field(default_factory=dict)
     cuda_syncs_after_warmup: Optional[int] = None
     recompiles_after_warmup: int = 0
+    #: dynamo's "hit config.recompile_limit" reports: a frame then runs eagerly, silently
+    recompile_limit_hits: List[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -137,6 +140,20 @@ class _Probe(TrainerCallback):
         self._mark("end")
 
 
+class _LimitHits(logging.Handler):
+    """Collects dynamo's report that a frame reached its recompile limit (after which dynamo runs
+    that frame eagerly for the rest of the process, with only this log line to show for it)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "hit config." in message and "limit" in message:
+            self.messages.append(" ".join(message.split("\n")[:2]))
+
+
 def _is_sync_warning(w) -> bool:
     return "synchroniz" in str(w.message)
 
@@ -176,7 +193,11 @@ def train_once(
             mixed_precision="bf16" if precision == "bf16" else "no",
             compile_options={"backend": backend},
         )
-        sync_counter = SyncCounter(cuda=False)
+        # on CUDA a read of a CPU tensor is no sync; on the CPU every read stands in for one
+        sync_counter = SyncCounter(cuda=False, skip_cpu_tensors=device.type == "cuda")
+        limit_hits = _LimitHits()
+        dynamo_log = logging.getLogger("torch._dynamo")
+        dynamo_log.addHandler(limit_hits)
         recompiles = RecompileCounter()
         probe = _Probe(sync_counter, caught, recompiles)
         trainer.callback_handler.add_callback(probe)
@@ -199,6 +220,7 @@ def train_once(
                     collate_fn=wl.collate_fn,
                 )
             finally:
+                dynamo_log.removeHandler(limit_hits)
                 if old_mode is not None:
                     torch.cuda.set_sync_debug_mode(old_mode)
         if device.type == "cuda":
@@ -206,6 +228,7 @@ def train_once(
             torch.cuda.synchronize(device)
         result.seconds = time.perf_counter() - start
     result.fallback_warnings = [str(w.message) for w in caught if _is_fallback_warning(w)]
+    result.recompile_limit_hits = limit_hits.messages
     result.active_engine = getattr(trainer._engine, "active_engine", trainer._engine.name)
     result.active_eval_engine = getattr(trainer._engine, "active_eval_engine", trainer._engine.name)
     result.losses = torch.stack(probe.losses).float().cpu().tolist()
@@ -271,6 +294,8 @@ def judge(runs: List[RunResult], device: torch.device) -> List[str]:
             failures.append(f"{tag}: fell back to {run.active_engine!r} without a warning")
         if want == run.engine and run.fallback_warnings:
             failures.append(f"{tag}: fallback warnings raised: {run.fallback_warnings}")
+        for hit in run.recompile_limit_hits:
+            failures.append(f"{tag}: part of the step ran eagerly without a warning: {hit}")
         if run.recompiles_after_warmup > MAX_RECOMPILES_AFTER_WARMUP:
             failures.append(f"{tag}: {run.recompiles_after_warmup} frames compiled after the first epoch")
         budget = sync_budget(run)

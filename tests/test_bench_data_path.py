@@ -1,6 +1,7 @@
 """Every bench peer gets the same data path: views of one page-locked pool, copied non-blocking."""
 
 import pytest
+import torch
 
 pytest.importorskip("pytorch_accelerated")
 
@@ -20,3 +21,14 @@ def test_pytorch_accelerated_copies_non_blocking():
     peer = PyTorchAcceleratedPeer(make_workload("mlp", size="tiny", device="cpu", batch_size=4, num_batches=3))
     peer.setup()
     assert peer.trainer._create_accelerator().non_blocking is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_batches_are_pinned_so_fasttrain_copies_them_non_blocking():
+    from fasttrain.data import copies_asynchronously
+
+    wl = make_workload("mlp", size="tiny", device="cuda", batch_size=4, num_batches=3)
+    batch = wl.dataset.__getitems__([0, 1, 2, 3])
+    assert batch[0].is_pinned() and batch[1].is_pinned()
+    assert copies_asynchronously(batch)
