@@ -66,6 +66,7 @@ done
 case "$DEVICE" in cuda|cpu) ;; *) die "--device must be cuda or cpu, not '$DEVICE'" ;; esac
 case "$PART" in check|bench|all) ;; *) die "--part must be check, bench or all, not '$PART'" ;; esac
 
+"$PY" -c "import torch" 2>/dev/null || die "torch is not importable by $PY (set PYTHON=/path/to/python)"
 if [ "$DEVICE" = cuda ]; then
     command -v nvidia-smi >/dev/null 2>&1 || die "no NVIDIA GPU here: nvidia-smi was not found (use --device cpu)"
     "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
