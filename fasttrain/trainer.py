@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from fasttrain import checkpointing, signals
+from fasttrain.accelerate_state import build_accelerator
 from fasttrain.compat import ForwardBackwardHelper
 from fasttrain.callbacks import (
     CallbackHandler,
@@ -218,7 +219,7 @@ class Trainer(ForwardBackwardHelper):
         return CallbackHandler(callbacks)
 
     def _create_accelerator(self) -> Accelerator:
-        return Accelerator(mixed_precision=self.mixed_precision)
+        return build_accelerator(self.mixed_precision)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None) -> Iterable:
         """The training dataloader: the defaults of :meth:`get_default_train_dl_kwargs` updated
