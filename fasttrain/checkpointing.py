@@ -55,6 +55,7 @@ _HASH_CHUNK = 1 << 20
 
 __all__ = [
     "CheckpointError",
+    "CheckpointNotFoundError",
     "atomic_save",
     "safe_load",
     "save_checkpoint",
@@ -70,6 +71,10 @@ __all__ = [
 
 class CheckpointError(RuntimeError):
     """A checkpoint or training state cannot be read (missing, truncated, corrupt or unsafe)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No file at the checkpoint path (also a ``FileNotFoundError``, as it always was)."""
 
 
 # ------------------------------------------------------------------------------- file helpers
@@ -125,7 +130,7 @@ def safe_load(path, map_location="cpu"):
     """``torch.load`` with ``weights_only=True`` and errors that say what went wrong."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"No checkpoint at {path}")
+        raise CheckpointNotFoundError(f"No checkpoint at {path}")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -135,8 +140,12 @@ def safe_load(path, map_location="cpu"):
             "code. If you trust the file, load it yourself with torch.load(..., "
             f"weights_only=False) and pass the state dicts on. Details: {e}"
         ) from e
-    except (RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {e}") from e
+    except Exception as e:
+        # torch's zip reader fails in many ways on a cut or damaged file (RuntimeError,
+        # EOFError, OSError "Invalid argument", ValueError, KeyError ...): each means the same
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from e
 
 
 # ------------------------------------------------------------------------------- checkpoints
@@ -279,6 +288,8 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
                 f.flush()
                 os.fsync(f.fileno())
             _swap_into_place(staging, output_dir)
+    # named by the non-finite stop message: a state written after a flush found nothing wrong
+    trainer._last_good_save = f"train(..., resume_from={os.fspath(output_dir)!r})"
     return True
 
 
@@ -350,7 +361,7 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
         raise CheckpointError(f"No training state at {input_dir} (not a directory)")
     if not manifest_path.exists():
         if (input_dir / _METADATA_FILE).exists():
-            # written by an older fasttrain without a manifest: nothing to verify against
+            _verify_unversioned_state(input_dir)
             return {"files": {}}
         raise CheckpointError(
             f"{input_dir} is not a complete fasttrain training state (no {MANIFEST_FILE}); the save "
@@ -379,6 +390,35 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
             "an earlier state (find_latest_training_state lists the complete ones)."
         )
     return manifest
+
+
+def _verify_unversioned_state(input_dir: Path) -> None:
+    """Accept a directory without a manifest only when it is positively a complete state of the
+    format before manifests (version 1: metadata saying so, the model, the optimizer and one RNG
+    file per process). Anything else without a manifest is a save that did not finish: today's
+    saves write ``trainer_state.pt`` before the RNG files and the manifest, so a save killed in
+    between leaves exactly such a directory (its staging folder)."""
+    unfinished = (
+        f"{input_dir} is not a complete fasttrain training state: it has {_METADATA_FILE} but no "
+        f"{MANIFEST_FILE}, so the save that wrote it did not finish"
+    )
+    if input_dir.name.startswith(".") and input_dir.name.endswith(".staging"):
+        raise CheckpointError(f"{unfinished} (this is a save's staging folder). Resume from the state it was to replace.")
+    metadata = safe_load(input_dir / _METADATA_FILE)
+    version = metadata.get("fasttrain_state_version") if isinstance(metadata, dict) else None
+    if version != 1:
+        raise CheckpointError(
+            f"{unfinished} (its metadata says format version {version!r}; only version 1 states "
+            "were written without one). Resume from an earlier state."
+        )
+    processes = metadata.get("num_processes", 1)
+    needed = ["model.pt", "optimizer.pt"] + [f"rng_state_{r}.pt" for r in range(processes)]
+    missing = [name for name in needed if not (input_dir / name).exists()]
+    if missing:
+        raise CheckpointError(
+            f"The version 1 training state at {input_dir} is incomplete: {', '.join(missing)} "
+            "missing. Resume from an earlier state."
+        )
 
 
 def _resolve_state_dir(input_dir: Path) -> Path:

@@ -8,8 +8,13 @@ benchmarks/README.md).
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import shlex
 import sys
 from typing import List, Optional
+
+from fasttrain._version import __version__
 
 #: (steps, warmup, repeats) per workload and device type; chosen so that the default CPU run of
 #: the mlp finishes within about a minute on two cores, and GPU runs fit in a few minutes.
@@ -44,31 +49,60 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default in ``--help``, unless the help text already gives it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "default" not in text
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fasttrain.bench.peers import PEERS
-    from fasttrain.bench.workloads import SIZES, WORKLOADS
+    from fasttrain.bench.workloads import DEFAULT_BATCH, DEFAULT_BATCH_CPU, SIZES, WORKLOADS
 
     parser = argparse.ArgumentParser(prog="fasttrain", description="fasttrain command line tools")
+    parser.add_argument("--version", action="version", version=f"fasttrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     b = sub.add_parser(
         "bench",
         help="measure training throughput of fasttrain and its peers side by side",
         description="Train a synthetic workload with every peer, interleaved, and report steps/s, "
-        "ratios to a bare PyTorch loop, host syncs per step, recompiles, memory and MFU.",
+        "ratios to a bare PyTorch loop, host syncs per step, recompiles, memory and MFU. Ctrl-C "
+        "stops it and keeps the repeats that every peer completed.",
+        formatter_class=_HelpFormatter,
     )
-    b.add_argument("--workload", choices=WORKLOADS, default="mlp", help="default: mlp")
+    b.set_defaults(subparser=b)
+    b.add_argument("--workload", choices=WORKLOADS, default="mlp", help="synthetic workload")
     sizes = sorted({s for table in SIZES.values() for s in table})
     b.add_argument("--size", choices=sizes, default=None,
                    help="model size (default: tiny for mlp and gpt, small for convnet; 124m is gpt only)")
+    batches = ", ".join(
+        f"{w} {DEFAULT_BATCH_CPU[w]} (CPU) / {DEFAULT_BATCH[w]} (CUDA)" for w in WORKLOADS
+    )
     b.add_argument("--batch-size", type=_positive_int, default=None,
-                   help="per-step batch (default: 64 mlp, 512 convnet, 8 gpt)")
-    b.add_argument("--steps", type=_positive_int, default=None, help="measured steps per repeat")
+                   help=f"per-step batch (default: {batches})")
+    schedule = "; ".join(f"{w} {d}: {'/'.join(map(str, v))}" for (w, d), v in _SCHEDULES.items())
+    b.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"measured steps per repeat (default per workload and device, as "
+                   f"steps/warm-up/repeats: {schedule})")
     b.add_argument("--warmup", type=_positive_int, default=None,
-                   help="steps run before the measured ones in every training call")
-    b.add_argument("--repeats", type=_positive_int, default=None, help="interleaved repeats per peer")
+                   help="steps run before the measured ones in every training call (default: see --steps)")
+    b.add_argument("--repeats", type=_positive_int, default=None,
+                   help="interleaved repeats per peer (default: see --steps)")
     b.add_argument("--peers", default=None,
                    help=f"comma-separated subset of: {', '.join(PEERS)} (default: all; bare is always run)")
-    b.add_argument("--out", default="bench_out", help="directory for JSON/CSV/Markdown/PNG (default: bench_out)")
+    b.add_argument("--out", default=None,
+                   help="directory for JSON/CSV/Markdown/PNG (default: a new folder "
+                   "bench_out/<workload>-<size>-<device>-<time> for every run)")
+    b.add_argument("--force", action="store_true",
+                   help="overwrite result files already in --out (otherwise the run refuses to start)")
     b.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     b.add_argument("--threads", type=_positive_int, default=None,
                    help="torch CPU threads (default on CPU: 1, since intra-op threads oversubscribe small "
@@ -83,17 +117,59 @@ def build_parser() -> argparse.ArgumentParser:
                    "descheduled on a shared host (default auto: cpu for single-threaded CPU runs, "
                    "wall otherwise)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--profile", action="store_true",
+                   help="instead of comparing peers, profile fasttrain (--engine) on the workload: write a "
+                        "Chrome trace under --out and print the top kernels and the host-side gap per step")
+    b.add_argument("--engine", choices=("auto", "eager", "compiled", "cudagraph"), default="auto",
+                   help="fasttrain engine for --profile (default: auto)")
+
+    r = sub.add_parser(
+        "readme",
+        help="rewrite the README's benchmark tables from committed result files",
+        description="Regenerate the tables between the '<!-- bench-table: FILE -->' and "
+        "'<!-- /bench-table -->' markers of a Markdown file from the JSON result files they name.",
+        formatter_class=_HelpFormatter,
+    )
+    r.set_defaults(subparser=r)
+    r.add_argument("--file", default="README.md", help="the Markdown file to rewrite")
+    r.add_argument("--check", action="store_true",
+                   help="change nothing; exit with status 1 when a table differs from its result file")
     return parser
 
 
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _out_dir(args, device: str, size: str) -> str:
+    if args.out is not None:
+        return args.out
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("bench_out", f"{args.workload}-{size}-{device}-{stamp}")
+
+
+def _estimate(first, warmup: int, steps: int, repeats: int, num_peers: int) -> Optional[str]:
+    """A one-line estimate of the whole run from the first peer's set-up, or None for a short
+    run. Set-up ran ``3 * warmup + steps`` steps; each repeat runs ``2 * warmup + steps``."""
+    if first.setup_s is None:
+        return None
+    per_step = first.setup_s / (3 * warmup + steps)
+    per_peer = first.setup_s + repeats * (2 * warmup + steps) * per_step
+    total = per_peer * num_peers
+    if total < 60:
+        return None
+    return (
+        f"estimate: about {total / 60:.0f} min for {num_peers} peers (~{per_peer:.0f} s each, "
+        f"from the {first.name} loop's {per_step * 1000:.0f} ms per step; compiling peers take "
+        "longer); lower --batch-size, --steps or --repeats for a shorter run, Ctrl-C keeps what "
+        "completed"
+    )
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: str) -> int:
     import torch
 
     from fasttrain.bench.hardware import describe_environment, peak_flops
     from fasttrain.bench.peers import resolve_peers
-    from fasttrain.bench.report import format_table, summarize, write_reports
+    from fasttrain.bench.report import existing_reports, format_table, summarize, write_reports
     from fasttrain.bench.runner import run_benchmark
-    from fasttrain.bench.workloads import SIZES, make_workload
+    from fasttrain.bench.workloads import DEFAULT_SIZE, SIZES, make_workload
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -108,6 +184,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         peer_names = resolve_peers(args.peers)
     except ValueError as exc:
         parser.error(f"--peers: {exc}")
+    out_dir = _out_dir(args, device, size or DEFAULT_SIZE[args.workload])
+    clash = existing_reports(out_dir, args.workload, size or DEFAULT_SIZE[args.workload])
+    if clash and not args.force:
+        parser.error(f"{clash[0]} already exists; pass --force to overwrite it, or choose another "
+                     "--out (leaving --out out writes every run to a new folder)")
 
     steps, warmup, repeats = _SCHEDULES[(args.workload, device)]
     if args.workload == "gpt" and size == "124m" and device == "cuda":
@@ -128,28 +209,74 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.workload, size=size, device=device, batch_size=args.batch_size,
         channels_last=args.channels_last, precision=args.precision,
     )
+    if args.profile:
+        from fasttrain.bench.profile import run_profile
+
+        print(run_profile(workload, out_dir, engine=args.engine, warmup=args.warmup or 3, steps=args.steps or 5))
+        return 0
     precision = "bf16" if workload.amp_dtype is not None else "fp32"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, precision)
     environment = describe_environment(device)
-    settings = {"threads": torch.get_num_threads(), "peak_flops": peak, "command": " ".join(sys.argv)}
+    settings = {"threads": torch.get_num_threads(), "peak_flops": peak, "command": command}
+    estimated = []
+
+    def on_setup(result, warmup, steps, repeats, num_peers):
+        if not estimated:
+            estimated.append(True)
+            line = _estimate(result, warmup, steps, repeats, num_peers)
+            if line:
+                print(line, file=sys.stderr, flush=True)
+
     bench = run_benchmark(
         workload, peer_names, steps=steps, warmup=warmup, repeats=repeats,
-        progress=not args.no_progress, settings=settings, clock=clock,
+        progress=not args.no_progress, settings=settings, clock=clock, on_setup=on_setup,
     )
     rows = summarize(bench, peak_flops=peak)
     print(f"device: {environment['device_name']} · torch {environment['torch']} · "
           f"{settings['threads']} thread(s)")
     print(format_table(bench, rows))
-    paths = write_reports(bench, args.out, rows, environment)
+    paths = write_reports(bench, out_dir, rows, environment)
     print("wrote " + ", ".join(paths[k] for k in sorted(paths)))
+    if "png" not in paths and not _has_matplotlib():
+        print("no chart: matplotlib is not installed; pip install 'fasttrain[plot]' to get a PNG")
+    if bench.interrupted:
+        print(f"interrupted: kept the {bench.completed_repeats} repeat(s) every peer completed; "
+              "the repeat in progress was discarded")
+        return 130  # the shell's status for a run ended by SIGINT
+    return 0
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _readme(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from fasttrain.bench.readme import ReadmeTableError, rewrite_tables
+
+    try:
+        changed = rewrite_tables(args.file, check=args.check)
+    except (OSError, ReadmeTableError) as exc:
+        parser.error(str(exc))
+    if args.check:
+        if changed:
+            print(f"{args.file}: tables out of date with {', '.join(changed)}; run fasttrain readme")
+            return 1
+        print(f"{args.file}: tables match their result files")
+        return 0
+    print(f"{args.file}: rewrote tables from {', '.join(changed)}" if changed else f"{args.file}: up to date")
     return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return _bench(args, parser)
+        return _bench(args, args.subparser, "fasttrain " + shlex.join(argv))
+    if args.command == "readme":
+        return _readme(args, args.subparser)
     parser.print_help()
     return 2
 

@@ -8,6 +8,7 @@ which is several percent of a small model's step; fasttrain moves batches itself
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -16,19 +17,45 @@ from accelerate.utils import send_to_device
 from fasttrain.utils import worker_init_fn
 
 
+def copies_asynchronously(batch, default: bool = False) -> bool:
+    """Whether ``batch`` can be copied to the GPU with ``non_blocking=True``: it holds a tensor in
+    page-locked memory. The answer comes from the batch, not from the DataLoader's
+    ``pin_memory`` flag, because a dataset can hand out pinned tensors itself (views of a pinned
+    buffer) while the flag is off, and a custom collate can return pageable tensors while it is on.
+    ``default`` answers for a batch in which no tensor can be found (a custom batch class that
+    pins itself through its own ``pin_memory()``), so pass the DataLoader's flag there.
+
+    A pageable tensor beside a pinned one is still copied correctly with ``non_blocking=True``:
+    CUDA stages it through a pinned buffer before the call returns.
+    """
+    stack = [batch]
+    found_tensor = False
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found_tensor = True
+            if item.device.type == "cpu" and item.is_pinned():
+                return True
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False if found_tensor else default
+
+
 class DeviceLoader:
-    """Iterates a dataloader and moves each batch to ``device`` (asynchronously when the
-    dataloader pins memory). Other attributes are those of the wrapped dataloader."""
+    """Iterates a dataloader and moves each batch to ``device``, asynchronously when the batch is
+    in page-locked memory. Other attributes are those of the wrapped dataloader."""
 
     def __init__(self, dataloader, device: torch.device):
         self.dataloader = dataloader
         self.device = device
-        self.non_blocking = bool(getattr(dataloader, "pin_memory", False))
 
     def __iter__(self):
-        device, non_blocking = self.device, self.non_blocking
+        device = self.device
+        pin_flag = bool(getattr(self.dataloader, "pin_memory", False))
         for batch in self.dataloader:
-            yield send_to_device(batch, device, non_blocking=non_blocking)
+            yield send_to_device(batch, device, non_blocking=copies_asynchronously(batch, pin_flag))
 
     def __len__(self):
         return len(self.dataloader)

@@ -1,121 +1,27 @@
 """Metric loggers that write from the batched flushes, never per step.
 
-Both loggers record the same things:
+Both loggers record what :class:`fasttrain.callbacks.flush_records.FlushLogger` turns flushes
+and run-history updates into: losses by micro-step, gradient norms by optimizer update, run-history
+values by epoch. Only the world's process zero writes.
 
-- every micro-step loss from ``on_metrics_flush``, at its global micro-step (1-based, counted over
-  every training call this callback has seen, per phase, so curves of successive runs follow
-  each other instead of overlapping);
-- every gradient norm from the flush (present when clipping by norm), at its optimizer update
-  (1-based, the trainer's own count);
-- each new value in the run history (epoch losses, and whatever other callbacks record) at the
-  end of train and eval epochs and of runs, at the run history's epoch.
-
-Only the world's process zero writes.
+:class:`CSVLoggerCallback` writes one CSV file. :class:`TensorBoardLoggerCallback` is the
+TensorBoard case of :class:`fasttrain.callbacks.trackers.AccelerateTrackerCallback`, which sends
+the same records to any tracker accelerate supports.
 """
 
 from __future__ import annotations
 
 import csv
 import os
-from typing import Dict, Iterable, List, Tuple
+from typing import Iterable
 
-import torch
+from fasttrain.callbacks.flush_records import FlushLogger, Record
+from fasttrain.callbacks.trackers import AccelerateTrackerCallback
 
-from fasttrain.callbacks import TrainerCallback
-
-__all__ = ["CSVLoggerCallback", "TensorBoardLoggerCallback"]
-
-#: (phase, epoch, kind, step, name, value); kind is "micro_step", "update" or "epoch".
-Record = Tuple[str, int, str, int, str, float]
+__all__ = ["CSVLoggerCallback", "TensorBoardLoggerCallback", "Record"]
 
 
-def _is_main_process(trainer) -> bool:
-    config = getattr(trainer, "run_config", None)
-    if config is not None:
-        return bool(config.is_world_process_zero)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank() == 0
-    return True
-
-
-class _FlushLogger(TrainerCallback):
-    """Turns flushes and run-history updates into :data:`Record` tuples for :meth:`_write`."""
-
-    def __init__(self):
-        self._micro_steps: Dict[str, int] = {}
-        self._history_written: Dict[str, int] = {}
-
-    def _write(self, records: List[Record]) -> None:
-        raise NotImplementedError
-
-    def _epoch_done(self) -> None:
-        """Called after epoch-end writes; a place to flush files."""
-
-    # -- events
-    def on_training_run_start(self, trainer, **kwargs):
-        # The run history was reset (or kept, with reset_run_history=False) before this event:
-        # either way, what is in it now has been written or belongs to an earlier run.
-        self._history_written = {
-            name: len(trainer.run_history.get_metric_values(name)) for name in trainer.run_history.get_metric_names()
-        }
-
-    on_evaluation_run_start = on_training_run_start
-
-    def on_metrics_flush(self, trainer, metrics, **kwargs):
-        if not _is_main_process(trainer):
-            return
-        records = self.flush_records(metrics)
-        if records:
-            self._write(records)
-
-    def on_train_epoch_end(self, trainer, **kwargs):
-        self._write_history(trainer, "train")
-
-    def on_eval_epoch_end(self, trainer, **kwargs):
-        self._write_history(trainer, "eval")
-
-    def on_training_run_end(self, trainer, **kwargs):
-        self._write_history(trainer, "train")
-
-    def on_evaluation_run_end(self, trainer, **kwargs):
-        self._write_history(trainer, "eval")
-
-    # -- record building
-    def flush_records(self, metrics) -> List[Record]:
-        """The records for one :class:`~fasttrain.metrics.FlushedMetrics`."""
-        phase, epoch = metrics.phase, metrics.epoch
-        records: List[Record] = []
-        step = self._micro_steps.get(phase, 0)
-        for loss in metrics.losses:
-            step += 1
-            records.append((phase, epoch, "micro_step", step, "loss", loss))
-        self._micro_steps[phase] = step
-        first_update = metrics.num_updates - len(metrics.grad_norms) + 1
-        for i, norm in enumerate(metrics.grad_norms):
-            records.append((phase, epoch, "update", first_update + i, "grad_norm", norm))
-        return records
-
-    def _write_history(self, trainer, phase: str) -> None:
-        if not _is_main_process(trainer):
-            return
-        history = trainer.run_history
-        epoch = history.current_epoch
-        records: List[Record] = []
-        for name in sorted(history.get_metric_names()):
-            values = list(history.get_metric_values(name))
-            done = self._history_written.get(name, 0)
-            if done > len(values):  # the history was reset without a run-start event
-                done = 0
-            for value in values[done:]:
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    records.append((phase, epoch, "epoch", epoch, name, value))
-            self._history_written[name] = len(values)
-        if records:
-            self._write(records)
-        self._epoch_done()
-
-
-class CSVLoggerCallback(_FlushLogger):
+class CSVLoggerCallback(FlushLogger):
     """Appends metrics to one CSV file with columns ``phase, epoch, kind, step, name, value``.
 
     ``kind`` says what ``step`` counts: ``micro_step`` (losses), ``update`` (gradient norms) or
@@ -146,46 +52,28 @@ class CSVLoggerCallback(_FlushLogger):
             writer.writerows(records)
 
 
-class TensorBoardLoggerCallback(_FlushLogger):
+
+class TensorBoardLoggerCallback(AccelerateTrackerCallback):
     """Writes metrics as TensorBoard scalars under ``log_dir``: ``<phase>/loss`` by micro-step,
-    ``<phase>/grad_norm`` by update, ``epoch/<name>`` by epoch. Needs the ``tensorboard`` package
-    (``pip install fasttrain[tensorboard]``)."""
+    ``<phase>/grad_norm`` by update, ``epoch/<name>`` by epoch, through accelerate's
+    ``TensorBoardTracker``. Needs the ``tensorboard`` package (``pip install fasttrain[tensorboard]``).
+    The event file is closed at the end of each ``train()``; a later run writes a new one."""
 
     def __init__(self, log_dir):
-        super().__init__()
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
             raise ImportError(
                 "TensorBoardLoggerCallback needs the tensorboard package; install it with "
                 "`pip install fasttrain[tensorboard]`"
-            ) from exc
-        self._writer_cls = SummaryWriter
+            )
         self.log_dir = os.fspath(log_dir)
-        self._writer = None
-
-    @property
-    def writer(self):
-        """The SummaryWriter, created on first use so that only the writing process makes files."""
-        if self._writer is None:
-            self._writer = self._writer_cls(log_dir=self.log_dir)
-        return self._writer
-
-    def _write(self, records: Iterable[Record]) -> None:
-        writer = self.writer
-        for phase, _epoch, kind, step, name, value in records:
-            tag = f"epoch/{name}" if kind == "epoch" else f"{phase}/{name}"
-            writer.add_scalar(tag, value, global_step=step)
+        # an empty run name keeps the event files directly in log_dir
+        super().__init__("tensorboard", project_name="", logging_dir=self.log_dir, finish_at_run_end=True)
 
     def _epoch_done(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def on_training_run_end(self, trainer, **kwargs):
-        super().on_training_run_end(trainer, **kwargs)
-        self.close()
+        # accelerate's tracker flushes after every log call
+        pass
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self.finish()

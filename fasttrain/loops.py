@@ -7,6 +7,8 @@ flushes (every ``log_every_n_steps`` optimizer updates and at epoch ends).
 
 from __future__ import annotations
 
+from tqdm import tqdm
+
 from fasttrain import checkpointing, signals
 from fasttrain.callbacks import StopTrainingError
 from fasttrain.step_metrics import StepMetricsBuffer, add_epoch_loss_to_run_history, flush
@@ -48,9 +50,9 @@ def train_epoch(trainer, train_dl) -> bool:
         if interrupt.stop_requested:  # a host bool set by the signal handler
             raise signals.TrainingInterrupted(interrupt.signal_number)
     trainer.train_epoch_end()
-    flush(trainer, buffer, is_epoch_end=True)
+    metrics = flush(trainer, buffer, is_epoch_end=True)
     trainer._train_buffer = None
-    add_epoch_loss_to_run_history(trainer, "train_loss_epoch", buffer)
+    add_epoch_loss_to_run_history(trainer, "train_loss_epoch", metrics)
     handler.call_event("on_train_epoch_end", trainer)
     return reached_max_steps
 
@@ -88,21 +90,23 @@ def eval_epoch(trainer, valid_dl, is_training: bool = True, is_intermediate: boo
         if interrupt.stop_requested:  # checked before the next batch is fetched
             raise signals.TrainingInterrupted(interrupt.signal_number)
     trainer.eval_epoch_end()
-    flush(trainer, buffer, is_epoch_end=True)
+    metrics = flush(trainer, buffer, is_epoch_end=True)
     if is_intermediate:
         name = "intermediate_eval_loss"
     elif is_training:
         name = "eval_loss_epoch"
     else:
         name = "evaluation_loss"
-    add_epoch_loss_to_run_history(trainer, name, buffer)
+    add_epoch_loss_to_run_history(trainer, name, metrics)
     handler.call_event("on_eval_epoch_end", trainer, is_intermediate=is_intermediate)
 
 
 def stop_training(trainer, error: StopTrainingError) -> None:
     """End the run after ``error`` and record why (``stop_reason``); a signal's stop saves the
     training state and fires ``on_training_interrupted`` first."""
-    trainer._accelerator.print(error)
+    if trainer._accelerator.is_local_main_process:
+        # on a line of its own, not after the progress bar of the epoch it interrupted
+        tqdm.write(str(error))
     if isinstance(error, signals.TrainingInterrupted):
         signals.finish_interrupted_run(trainer, error.signal_number)
     elif trainer.stop_reason is None:

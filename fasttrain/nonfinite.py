@@ -70,6 +70,8 @@ class NonFiniteGuard:
         self._last_totals = None
         self._attached = False
         self._seen: Optional[str] = None  # a reason to stop not yet shared with other processes
+        #: why training stopped, what state the model is in and what to do (set when it stops)
+        self.stop_message: Optional[str] = None
         self._shared_at: Optional[int] = None  # the update count of the last shared decision
         if self.checks_gradients and self._optimizer is not None:
             # the flags exist before the first (compiled or captured) update reads them: a flag
@@ -197,11 +199,8 @@ class NonFiniteGuard:
         trainer.stop_reason = reason
         trainer._nonfinite_applied = trainer._nonfinite_applied or train
         trainer.run_history.update_metric(f"stopped_{reason}", trainer._num_updates)
-        what = "loss" if reason == "nonfinite_loss" else "gradient norm"
-        return StopTrainingError(
-            f"Stopping training: non-finite {'training' if train else 'validation'} {what} in epoch "
-            f"{metrics.epoch} (nonfinite='stop'; use 'skip' to drop such updates instead)"
-        )
+        self.stop_message = stop_message(trainer, metrics, reason)
+        return StopTrainingError(self.stop_message)
 
     def _stop_reason(self, metrics) -> Optional[str]:
         if self.policy != "stop":
@@ -223,3 +222,80 @@ class NonFiniteGuard:
             except AttributeError:
                 pass
             self._attached = False
+
+
+def first_nonfinite_update(metrics, accumulation_steps: int) -> Optional[int]:
+    """The optimizer update (1-based, counted over the run) whose micro-step first produced a
+    non-finite loss in this flush, or whose gradient norm was first non-finite; None if none.
+
+    Derived from the flushed host values: a training flush follows the update of its last
+    micro-step, and the micro-steps of an epoch form windows of ``accumulation_steps``, so the
+    update of micro-step ``s`` lies ``last // k - s // k`` updates before ``num_updates``."""
+    if metrics.phase != "train":
+        return None
+    k = max(1, accumulation_steps)
+    if metrics.step_indices:
+        last = metrics.step_indices[-1] // k
+        for step, loss in zip(metrics.step_indices, metrics.losses):
+            if not math.isfinite(loss):
+                return metrics.num_updates - (last - step // k)
+    norms = metrics.grad_norms
+    for i, norm in enumerate(norms):
+        if not math.isfinite(norm):
+            return metrics.num_updates - (len(norms) - 1 - i)
+    return None
+
+
+def _weights_finite(trainer) -> Optional[bool]:
+    model = getattr(trainer, "model", None)
+    # sharded parameters (FSDP's DTensors): this process's shards say enough
+    params = [getattr(p, "_local_tensor", p).detach() for p in model.parameters()] if model is not None else []
+    if not params:
+        return None
+    flags = [torch.isfinite(p).all() for p in params if p.numel()]
+    if not flags:
+        return None
+    # SYNC(stop): once, when training stops, to say whether the model in memory is still usable
+    return bool(torch.stack(flags).all().item())
+
+
+def stop_message(trainer, metrics, reason: str) -> str:
+    """The message printed when ``nonfinite="stop"`` ends training: where the value first became
+    non-finite, whether the weights in memory are now non-finite, and what to do about it."""
+    train = metrics.phase == "train"
+    what = "loss" if reason == "nonfinite_loss" else "gradient norm"
+    phase = "training" if train else "validation"
+    k = getattr(trainer.run_config, "gradient_accumulation_steps", 1)
+    update = first_nonfinite_update(metrics, k)
+    if update is not None:
+        where = f"first at optimizer update {update} (epoch {metrics.epoch})"
+    elif not train:
+        bad = next((s for s, l in zip(metrics.step_indices, metrics.losses) if not math.isfinite(l)), None)
+        where = f"at evaluation batch {bad} of epoch {metrics.epoch}" if bad is not None else f"in epoch {metrics.epoch}"
+    elif metrics.nonfinite or metrics.grad_norms:
+        where = f"in epoch {metrics.epoch}"
+    else:  # another process saw it; the decision is shared so that all stop together
+        where = f"on another process, in epoch {metrics.epoch}"
+    lines = [f"Stopping training: non-finite {phase} {what} {where} (nonfinite='stop')."]
+    finite = _weights_finite(trainer)
+    if finite is False:
+        lines.append(
+            "The model's weights in memory are now non-finite (NaN/inf): do not save or use them."
+        )
+    elif finite:
+        lines.append(
+            f"The model's weights in memory are finite, but hold all {trainer._num_updates} updates "
+            "applied so far, including any after the non-finite value."
+        )
+    remedies = [
+        "lower the learning rate",
+        "clip gradients (train(gradient_clip_norm=1.0))",
+        "Trainer(nonfinite='skip') to drop updates whose gradients are not finite",
+    ]
+    saved = getattr(trainer, "_last_good_save", None)
+    if saved is not None:
+        remedies.append(f"go back to the last training state written before it: {saved}")
+    else:
+        remedies.append("save training states (SaveTrainingStateCallback) to resume from the last good one")
+    lines.append("Remedies: " + "; ".join(remedies) + ".")
+    return "\n".join(lines)

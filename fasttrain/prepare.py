@@ -24,6 +24,7 @@ from fasttrain.engine.context import (
 )
 from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
+from fasttrain.torch_logs import quiet_profiler_notices
 from fasttrain.run_config import TrainerRunConfig, build_run_config, uneven_eval_batches_message
 
 
@@ -163,6 +164,7 @@ def step_context(trainer, base: type) -> StepContext:
 
 def setup_engine(trainer, base: type) -> None:
     """Build the run's step context and the engine named by ``trainer.engine_name``."""
+    quiet_profiler_notices()  # the compiled optimizer step's marker is not the user's concern
     trainer._step_context = step_context(trainer, base)
     trainer._engine = create_engine(trainer.engine_name, trainer._step_context)
     trainer._engine.setup()

@@ -148,11 +148,12 @@ class StepMetricsBuffer:
         return metrics
 
 
-def flush(trainer, buffer: StepMetricsBuffer, is_epoch_end: bool) -> None:
+def flush(trainer, buffer: StepMetricsBuffer, is_epoch_end: bool) -> Optional[FlushedMetrics]:
     """Deliver ``buffer``'s step metrics to the callbacks (``on_metrics_flush``) as host values,
-    after the non-finite policy has seen them; raises the stop the policy asks for."""
+    after the non-finite policy has seen them, and return them (None when there was nothing to
+    flush); raises the stop the policy asks for."""
     if len(buffer) == 0 and not is_epoch_end:
-        return
+        return None
     train = buffer.phase == "train"
     guard = trainer._nonfinite
     metrics = buffer.flush(
@@ -173,13 +174,14 @@ def flush(trainer, buffer: StepMetricsBuffer, is_epoch_end: bool) -> None:
     trainer.callback_handler.call_event("on_metrics_flush", trainer, metrics=metrics)
     if stop is not None:
         raise stop
+    return metrics
 
 
-def add_epoch_loss_to_run_history(trainer, metric_name: str, buffer: StepMetricsBuffer) -> None:
-    """Record the epoch's mean loss (over all processes) as ``metric_name``."""
-    totals = torch.tensor([buffer.loss_sum, buffer.sample_count], dtype=torch.float64, device=trainer.device)
-    if trainer.run_config.is_distributed:
-        # SYNC: one all-reduce per epoch makes the epoch loss the mean over all processes
-        totals = trainer._accelerator.reduce(totals, reduction="sum")
-    total_loss, count = totals.tolist()
-    trainer.run_history.update_metric(metric_name, total_loss / count if count else float("nan"))
+def add_epoch_loss_to_run_history(trainer, metric_name: str, metrics: FlushedMetrics) -> None:
+    """Record the epoch's mean loss from its epoch-end flush: host values only. With several
+    processes that flush already carries the totals of all of them (shared together with the
+    stop decisions), so nothing more is read or reduced here."""
+    loss_sum, count = metrics.global_epoch_loss_sum, metrics.global_epoch_sample_count
+    if loss_sum is None:  # no process-wide totals at this flush: this process's own
+        loss_sum, count = metrics.epoch_loss_sum, metrics.epoch_sample_count
+    trainer.run_history.update_metric(metric_name, loss_sum / count if count else float("nan"))

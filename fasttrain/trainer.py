@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from fasttrain import checkpointing, loops, prepare, signals
+from fasttrain.accelerate_state import build_accelerator
 from fasttrain.compat import ForwardBackwardHelper
 from fasttrain.callbacks import (
     CallbackHandler,
@@ -65,6 +66,26 @@ def replace_trainer_placeholder_values(trainer, instance):
     return resolve_placeholders(instance, values)
 
 
+def _callback_sequence(callbacks) -> tuple:
+    """``callbacks`` as a tuple: ``None`` means no callbacks, a single callback (class or
+    instance) is accepted alone; anything else must be an iterable of callbacks."""
+    from fasttrain.callbacks import TrainerCallback
+
+    if callbacks is None:
+        return ()
+    if isinstance(callbacks, TrainerCallback) or (
+        isinstance(callbacks, type) and issubclass(callbacks, TrainerCallback)
+    ):
+        return (callbacks,)
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            f"callbacks must be a list of callback classes or instances (or None for no callbacks), "
+            f"not {type(callbacks).__name__}; for example callbacks=[ProgressBarCallback] or "
+            "callbacks=DEFAULT_CALLBACKS"
+        )
+    return tuple(callbacks)
+
+
 class Trainer(ForwardBackwardHelper):
     """Trains and evaluates a model with overridable hooks and callbacks.
 
@@ -91,6 +112,13 @@ class Trainer(ForwardBackwardHelper):
     :param resume_data_skip: how a run resumed mid-epoch passes over the batches already trained
         on: ``"sampler"`` draws their indices without loading them, ``"replay"`` loads and drops
         them (needed for an exact resume when data-loader workers draw random augmentations).
+    :param activation_checkpointing: module classes (one, or a tuple) whose forward is
+        recomputed in the backward instead of keeping its activations
+        (:mod:`fasttrain.checkpoint_activations`).
+    :param compile_regions: compile each repeated block once instead of the whole model
+        (:mod:`fasttrain.regional`): ``True`` finds the blocks, or give their classes. It shortens
+        compile time with ``engine="eager"`` (the compiled engines compile the whole step, blocks
+        included); it takes ``compile_options``.
     """
 
     def __init__(
@@ -110,6 +138,8 @@ class Trainer(ForwardBackwardHelper):
         interrupt_save_dir=None,
         handle_signals: bool = True,
         resume_data_skip: str = "sampler",
+        activation_checkpointing=None,
+        compile_regions=None,
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
@@ -132,10 +162,12 @@ class Trainer(ForwardBackwardHelper):
         self._nonfinite_applied = False
         self._epoch_in_progress = None
         self._epoch_start_loader_iteration = None
-        self.model = model
+        self.model = validation.apply_model_transforms(
+            model, activation_checkpointing, compile_regions, compile_options
+        )
         self.loss_func = loss_func
         self.optimizer = optimizer
-        self._callbacks = callbacks
+        self._callbacks = _callback_sequence(callbacks)
         self.callback_handler = self._create_callback_handler()
         self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
         self.engine_name = engine
@@ -180,7 +212,7 @@ class Trainer(ForwardBackwardHelper):
         return CallbackHandler(callbacks)
 
     def _create_accelerator(self) -> Accelerator:
-        return Accelerator(mixed_precision=self.mixed_precision)
+        return build_accelerator(self.mixed_precision)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None) -> Iterable:
         """The training dataloader: the defaults of :meth:`get_default_train_dl_kwargs` updated

@@ -180,3 +180,22 @@ def _bad_loss(loss):
         "torch.no_grad()/inference_mode). Unfreeze at least one parameter and compute the loss "
         "from the model's outputs."
     )
+
+
+def apply_model_transforms(model, activation_checkpointing, compile_regions, compile_options):
+    """``model`` with the Trainer's activation checkpointing and regional compilation applied,
+    in place and in that order (a compiled block then contains the recomputation)."""
+    if activation_checkpointing is not None:
+        from fasttrain.checkpoint_activations import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, activation_checkpointing)
+    if compile_regions is None or compile_regions is False:
+        return model
+    # with engine="compiled"/"cudagraph" the engine's trace of the whole step inlines the
+    # compiled blocks: correct, and compiled whole, so the regional saving applies to eager steps
+    from fasttrain.engine.compiled import CompileSettings
+    from fasttrain.regional import compile_regions as compile_blocks
+
+    kwargs = CompileSettings.from_options(compile_options).kwargs()
+    compile_blocks(model, None if compile_regions is True else compile_regions, **kwargs)
+    return model

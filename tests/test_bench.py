@@ -54,7 +54,10 @@ def test_cli_runs_end_to_end(bench_run):
 def test_json_schema(bench_run):
     _, out = bench_run
     data = json.loads((out / "mlp-tiny.json").read_text())
-    assert set(data) == {"environment", "workload", "settings", "peers", "summary"}
+    assert set(data) == {"environment", "workload", "settings", "peers", "summary", "interrupted", "completed_repeats"}
+    assert data["interrupted"] is False and data["completed_repeats"] == 2
+    # the command that was run, as typed (main() was called with these arguments)
+    assert data["settings"]["command"].startswith("fasttrain bench --workload mlp --size tiny --steps 8")
     assert data["workload"]["workload"] == "mlp" and data["workload"]["size"] == "tiny"
     assert data["settings"]["steps"] == 8 and data["settings"]["repeats"] == 2
     assert data["settings"]["threads"] == 1  # the CPU default

@@ -66,3 +66,14 @@ def test_no_mixed_precision_by_default(monkeypatch):
     trainer, recorder = _train()
     assert trainer.run_config.mixed_precision == "no"
     assert recorder.dtypes == [torch.float32, torch.float32]
+
+
+def test_one_process_trains_in_fp32_then_bf16_then_fp32():
+    # accelerate refuses a second Accelerator asking for another precision in the same process;
+    # a notebook or a script that compares precisions builds one Trainer per precision
+    _, first = _train(mixed_precision="no")
+    _, second = _train(mixed_precision="bf16")
+    _, third = _train(mixed_precision="no")
+    assert set(first.dtypes) == {torch.float32}
+    assert set(second.dtypes) == {torch.bfloat16}
+    assert set(third.dtypes) == {torch.float32}

@@ -144,7 +144,9 @@ def test_sync_count_follows_the_flush_interval(sync_counter):
     trainer, flushes = run(log_every_n_steps=1, num_epochs=1)
     assert flushes.flushes == 200 + 20 + 2
     assert sync_counter.library <= (flushes.flushes + flushes.epoch_ends) * PER_FLUSH
-    assert sync_counter.library >= flushes.flushes  # every flush copied its values once
+    # every flush with steps in it copied its values once (the epoch-end flush right after the
+    # last step's flush has nothing left to copy)
+    assert sync_counter.library >= 200 + 20
 
 
 def test_a_per_step_item_in_user_code_is_counted_as_the_users(sync_counter):
@@ -157,3 +159,21 @@ def test_a_per_step_item_in_user_code_is_counted_as_the_users(sync_counter):
     assert sync_counter.user == 200 == len(item.losses)
     assert sync_counter.library == library_alone
     assert flushes.flushes == quiet_flushes.flushes
+
+
+FLUSH_READ_LINE = next(
+    n for n, line in enumerate(open(os.path.join(LIBRARY_DIRS[0], "step_metrics.py")), 1)
+    if "host = packed.tolist()" in line
+)
+
+
+def test_one_host_read_per_flush(sync_counter):
+    """Each flush point (periodic, epoch end) reads the device once, in one packed copy; the
+    epoch loss written to the run history is taken from the epoch-end flush, not read again."""
+    trainer, flushes = run(num_epochs=1)
+    # 200 updates: 4 periodic train flushes, the train epoch end (nothing left after update
+    # 200's flush, so no read), the eval epoch end
+    assert flushes.flushes == 6
+    assert sync_counter.library == 5, sync_counter.where.most_common(5)
+    assert set(sync_counter.where) == {("step_metrics.py", FLUSH_READ_LINE, "tolist")}
+    assert trainer.run_history.get_latest_metric("train_loss_epoch") > 0

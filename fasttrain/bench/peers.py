@@ -36,7 +36,11 @@ def device_sync(device: torch.device) -> None:
 
 def loader_kwargs(workload: Workload) -> Dict[str, object]:
     """DataLoader settings shared by every peer. The dataset is already in page-locked memory on
-    CUDA, so ``pin_memory`` would only re-check it; workers would measure process start-up."""
+    CUDA and hands out views of it, so ``pin_memory`` would only re-check it; workers would
+    measure process start-up. Every peer copies these pinned batches with ``non_blocking=True``:
+    the hand-written loops say so, fasttrain decides it from the batch (``fasttrain.data``),
+    pytorch-accelerated is given accelerate's ``non_blocking`` option and Lightning does it on
+    CUDA by default."""
     return {"shuffle": False, "num_workers": 0, "pin_memory": False, "drop_last": True}
 
 
@@ -239,6 +243,16 @@ class _TrainerPeer(Peer):
         device_sync(self.device)
 
 
+def _non_blocking_accelerator():
+    """pytorch-accelerated's ``Accelerator()`` with one change: batches are copied with
+    ``non_blocking=True``, as every other peer copies them (accelerate's default is a blocking
+    copy, a host-device sync per batch, which would measure the copy rather than the trainer)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    return Accelerator(dataloader_config=DataLoaderConfiguration(non_blocking=True))
+
+
 class PyTorchAcceleratedPeer(_TrainerPeer):
     name = "pytorch-accelerated"
 
@@ -247,7 +261,11 @@ class PyTorchAcceleratedPeer(_TrainerPeer):
             from pytorch_accelerated import Trainer
         except ImportError as exc:
             raise PeerUnavailable(f"pytorch-accelerated is not installed ({exc})") from exc
-        return Trainer(model, self.workload.loss_func, optimizer)
+        class SameCopyTrainer(Trainer):
+            def _create_accelerator(self):
+                return _non_blocking_accelerator()
+
+        return SameCopyTrainer(model, self.workload.loss_func, optimizer)
 
     def _context(self):
         # Its Trainer builds ``Accelerator()`` without arguments inside train(); accelerate reads
@@ -270,6 +288,20 @@ class FasttrainPeer(_TrainerPeer):
             engine=self.engine,
             mixed_precision="bf16" if self.workload.amp_dtype else "no",
         )
+
+    @property
+    def engine_ran(self) -> Optional[str]:
+        """The engine that ran the last training steps (another one after a fallback)."""
+        engine = getattr(getattr(self, "trainer", None), "_engine", None)
+        if engine is None:
+            return None
+        return getattr(engine, "active_engine", engine.name)
+
+    def run(self, num_steps: int) -> None:
+        super().run(num_steps)
+        if self.trainer.stop_reason == "interrupted":
+            # the trainer's own SIGINT handler ended train() early; the benchmark must stop too
+            raise KeyboardInterrupt
 
 
 def _fasttrain_peer(engine: str):

@@ -1,8 +1,9 @@
 """Turning a :class:`~fasttrain.bench.runner.BenchResult` into tables and files.
 
 Throughput is summarised by the median over repeats, with the minimum and maximum beside it so a
-noisy run shows itself. Ratios divide medians of the same run: ``x bare`` is a peer's steps/s over
-the bare loop's (above 1 is faster), ``x pt-acc`` the same against pytorch-accelerated.
+noisy run shows itself. Ratios are paired per repeat (:func:`paired_ratios`): ``x bare`` is the
+median over repeats of a peer's steps/s over the bare loop's in the same repeat (above 1 is
+faster), with their minimum and maximum; ``x pt-acc`` the same against pytorch-accelerated.
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import json
 import math
 import os
 import statistics
+import textwrap
 from typing import Dict, List, Optional
 
 from fasttrain.bench.peers import BASELINE
-from fasttrain.bench.runner import BenchResult
+from fasttrain.bench.runner import BenchResult, peer_label
 
 PTA = "pytorch-accelerated"
 
 #: the CSV's columns, in order; also the keys of every row of :func:`summarize`.
 CSV_FIELDS = (
     "peer",
+    "engine",
+    "engine_fallback",
     "status",
     "reason",
     "repeats",
@@ -34,6 +38,8 @@ CSV_FIELDS = (
     "items_per_s_max",
     "ms_per_step_median",
     "ratio_vs_bare",
+    "ratio_vs_bare_min",
+    "ratio_vs_bare_max",
     "ratio_vs_pytorch_accelerated",
     "host_syncs_per_step",
     "cuda_syncs_per_step",
@@ -47,6 +53,25 @@ CSV_FIELDS = (
     "setup_s",
     "notes",
 )
+
+
+def paired_ratios(peer_times: List[float], base_times: List[float]) -> List[float]:
+    """Per-repeat throughput ratios of a peer to a reference (``base_time / peer_time``). The
+    repeats are interleaved, so repeat r of every peer ran under the same machine conditions and
+    each ratio is a paired measurement. Empty when the two do not have the same repeats (one
+    dropped a repeat as noise)."""
+    if len(peer_times) != len(base_times) or not peer_times:
+        return []
+    return [b / p for p, b in zip(peer_times, base_times)]
+
+
+def _ratio(times: Dict[str, List[float]], medians: Dict[str, float], name: str, ref: str):
+    """(median, min, max) of the paired ratios of ``name`` to ``ref``; the ratio of the medians
+    (no range) when the repeats do not pair up."""
+    ratios = paired_ratios(times[name], times[ref])
+    if ratios:
+        return statistics.median(ratios), min(ratios), max(ratios)
+    return medians[name] / medians[ref], None, None
 
 
 def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Dict[str, object]]:
@@ -64,10 +89,18 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
         rates = sorted(1.0 / t for t in p.step_times) if p.status == "ok" else []
         med = medians.get(p.name)
         row = dict.fromkeys(CSV_FIELDS)
+        if p.status != "ok" or rates:
+            status, reason = p.status, p.reason
+        elif bench.interrupted and not bench.completed_repeats:
+            status, reason = "interrupted", "Ctrl-C before the first repeat completed"
+        else:
+            status, reason = "failed", "every repeat was shorter than timer noise; raise --steps"
         row.update(
             peer=p.name,
-            status=p.status if (p.status != "ok" or rates) else "failed",
-            reason=p.reason if (p.status != "ok" or rates) else "every repeat was shorter than timer noise; raise --steps",
+            engine=p.engine,
+            engine_fallback=p.engine_fallback,
+            status=status,
+            reason=reason,
             repeats=len(rates),
             items=wl["items"],
             host_syncs_per_step=p.host_syncs_per_step,
@@ -91,10 +124,13 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
                 items_per_s_max=rates[-1] * items_per_step,
                 ms_per_step_median=1000.0 / med,
             )
+            times = {q.name: q.step_times for q in bench.peers if q.name in medians}
             if BASELINE in medians:
-                row["ratio_vs_bare"] = med / medians[BASELINE]
+                row["ratio_vs_bare"], row["ratio_vs_bare_min"], row["ratio_vs_bare_max"] = _ratio(
+                    times, medians, p.name, BASELINE
+                )
             if PTA in medians:
-                row["ratio_vs_pytorch_accelerated"] = med / medians[PTA]
+                row["ratio_vs_pytorch_accelerated"] = _ratio(times, medians, p.name, PTA)[0]
             if flops_per_step and peak_flops:
                 row["mfu"] = flops_per_step * med / peak_flops
             if p.invalid_repeats:
@@ -119,24 +155,31 @@ def _rate(value) -> str:
     return f"{value:.3g}"
 
 
+def _label(row: Dict[str, object]) -> str:
+    return peer_label(row["peer"], row.get("engine"))
+
+
 def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
     """Header plus one list of cells per peer, shared by the terminal and Markdown tables."""
     items = next((r["items"] for r in rows), "samples")
-    header = ["peer", "steps/s [min-max]", f"{items}/s", "x bare", "x pt-acc", "syncs/step",
+    header = ["peer", "steps/s [min-max]", f"{items}/s", "x bare [min-max]", "x pt-acc", "syncs/step",
               "recompiles", "peak MB", "MFU", "GPU util"]
     out = [header]
     for r in rows:
         if r["status"] != "ok":
-            out.append([r["peer"], f"{r['status']}: {r['reason']}"] + [""] * (len(header) - 2))
+            out.append([_label(r), f"{r['status']}: {r['reason']}"] + [""] * (len(header) - 2))
             continue
         syncs = _fmt(r["host_syncs_per_step"], ".3g")
         if r["cuda_syncs_per_step"] is not None:
             syncs += f" ({_fmt(r['cuda_syncs_per_step'], '.3g')} cuda)"
         out.append([
-            r["peer"] + (" *" if r["notes"] else ""),
+            _label(r) + (" *" if r["notes"] else ""),
             f"{_rate(r['steps_per_s_median'])} [{_rate(r['steps_per_s_min'])}-{_rate(r['steps_per_s_max'])}]",
             _rate(r["items_per_s_median"]),
-            _fmt(r["ratio_vs_bare"], ".2f"),
+            _fmt(r["ratio_vs_bare"], ".2f") + (
+                f" [{r['ratio_vs_bare_min']:.2f}-{r['ratio_vs_bare_max']:.2f}]"
+                if r["ratio_vs_bare_min"] is not None else ""
+            ),
             _fmt(r["ratio_vs_pytorch_accelerated"], ".2f"),
             syncs,
             str(r["recompiles_after_warmup"]),
@@ -149,10 +192,14 @@ def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
 
 def _title(bench: BenchResult) -> str:
     wl, s = bench.workload, bench.settings
+    if bench.interrupted:
+        repeats = f"INTERRUPTED after {bench.completed_repeats} of {s['repeats']} repeats"
+    else:
+        repeats = f"{s['repeats']} repeats"
     return (
         f"{wl['workload']} ({wl['size']}, batch {wl['batch_size']}, {wl['amp_dtype']}) on {wl['device']}"
-        f" · {s['steps']} steps after {s['warmup']} warm-up, {s['repeats']} repeats, interleaved"
-        f" · {s.get('clock', 'wall')} clock"
+        f" · {s['steps']} steps after {s['warmup']} warm-up, {repeats}, interleaved"
+        f" · {s.get('clock', 'wall')} clock · steps/s: median [min-max] over repeats"
     )
 
 
@@ -165,7 +212,7 @@ _MEMORY_MEANING = {
 
 
 def _notes(rows: List[Dict[str, object]]) -> List[str]:
-    lines = [f"* {r['peer']}: {r['notes']}" for r in rows if r["status"] == "ok" and r["notes"]]
+    lines = [f"* {_label(r)}: {r['notes']}" for r in rows if r["status"] == "ok" and r["notes"]]
     lines.append(
         "syncs/step: host reads of device values per step (.item(), .tolist(), bool(), float(), "
         ".cpu(), ...) outside PyTorch itself; '(n cuda)': synchronising CUDA operations reported "
@@ -214,11 +261,11 @@ def _write_png(bench: BenchResult, rows: List[Dict[str, object]], path: str) -> 
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return False
-    names = [r["peer"] for r in ok]
+    names = [_label(r) for r in ok]
     med = [r["steps_per_s_median"] for r in ok]
     err = [[m - r["steps_per_s_min"] for m, r in zip(med, ok)], [r["steps_per_s_max"] - m for m, r in zip(med, ok)]]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(ok) + 1.5))
-    bars = ax.barh(names, med, xerr=err, color=["#888888" if n == BASELINE else "#3b75af" for n in names])
+    bars = ax.barh(names, med, xerr=err, color=["#888888" if r["peer"] == BASELINE else "#3b75af" for r in ok])
     for bar, r in zip(bars, ok):
         if r["ratio_vs_bare"] is not None:
             # Right of the error bar, so the two never overlap.
@@ -226,11 +273,20 @@ def _write_png(bench: BenchResult, rows: List[Dict[str, object]], path: str) -> 
     ax.set_xlim(0, max(r["steps_per_s_max"] for r in ok) * 1.15)
     ax.invert_yaxis()
     ax.set_xlabel("steps/s (median, min-max over repeats)")
-    ax.set_title(_title(bench), fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(_title(bench), 110)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+_EXTENSIONS = ("json", "csv", "md", "png")
+
+
+def existing_reports(out_dir: str, workload: str, size: str) -> List[str]:
+    """The result files a run of ``workload``/``size`` would overwrite in ``out_dir``."""
+    stem = os.path.join(out_dir, f"{workload}-{size}")
+    return [f"{stem}.{ext}" for ext in _EXTENSIONS if os.path.exists(f"{stem}.{ext}")]
 
 
 def write_reports(

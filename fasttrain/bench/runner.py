@@ -26,11 +26,13 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -68,6 +70,23 @@ class PeerResult:
     memory_kind: Optional[str] = None
     gpu: Dict[str, object] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    #: the step engine that actually ran training steps (fasttrain peers), which differs from the
+    #: one asked for after a fallback; None for peers without engines.
+    engine: Optional[str] = None
+    #: why the engine asked for did not run (the fallback warning), when it did not.
+    engine_fallback: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return peer_label(self.name, self.engine)
+
+
+def peer_label(name: str, engine: Optional[str]) -> str:
+    """A peer's name as tables and charts show it: with the engine that ran, when that is not
+    the one its name promises (``fasttrain-cudagraph (ran compiled)`` on a CPU)."""
+    if engine is not None and not name.endswith("-" + engine):
+        return f"{name} (ran {engine})"
+    return name
 
 
 @dataclass
@@ -75,9 +94,82 @@ class BenchResult:
     workload: Dict[str, object]
     settings: Dict[str, object]
     peers: List[PeerResult]
+    #: True when Ctrl-C (SIGINT) ended the run early: only repeats every peer completed are kept.
+    interrupted: bool = False
+    #: repeats completed by every measured peer (``settings["repeats"]`` were asked for).
+    completed_repeats: int = 0
 
     def to_dict(self) -> Dict[str, object]:
-        return {"workload": self.workload, "settings": self.settings, "peers": [asdict(p) for p in self.peers]}
+        return {
+            "workload": self.workload,
+            "settings": self.settings,
+            "interrupted": self.interrupted,
+            "completed_repeats": self.completed_repeats,
+            "peers": [asdict(p) for p in self.peers],
+        }
+
+
+class BenchInterrupted(Exception):
+    """Ctrl-C reached a peer's run; that run is discarded."""
+
+
+class _CtrlC:
+    """Turns SIGINT into a prompt stop of the benchmark, whatever the peers do with it.
+
+    Peers handle SIGINT their own ways: fasttrain's trainer finishes the step and returns from
+    ``train()`` (the peer then raises ``KeyboardInterrupt``), Lightning catches
+    ``KeyboardInterrupt``, ignores SIGINT from then on and calls ``exit(1)``. The runner keeps
+    its own handler, records that the signal came and puts the handler back after every peer
+    call, so a run cut short by any of them is recognised and thrown away rather than timed.
+    """
+
+    def __init__(self):
+        self.received = False
+        self._previous = None
+        self._installed = False
+        self._in_peer_call = False
+
+    def _handle(self, signum, frame):
+        self.received = True
+        # inside a peer's run the exception stops it at once; between runs (the runner's own
+        # bookkeeping) the flag is enough: the next guard raises before starting anything
+        if self._in_peer_call:
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def reinstall(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._handle)
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Run one peer call; raise :class:`BenchInterrupted` if Ctrl-C cut it short."""
+        if self.received:
+            raise BenchInterrupted
+        self._in_peer_call = True
+        try:
+            yield
+        except KeyboardInterrupt:
+            raise BenchInterrupted from None
+        except SystemExit:
+            if not self.received:
+                raise
+            raise BenchInterrupted from None
+        finally:
+            self._in_peer_call = False
+            self.reinstall()
+        if self.received:
+            raise BenchInterrupted
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
 
 
 @contextlib.contextmanager
@@ -188,6 +280,9 @@ def _setup_peer(peer, result: PeerResult, warmup: int, steps: int, count_syncs: 
         if any(word in msg.lower() for word in _FALLBACK_WORDS) and msg not in seen:
             seen.add(msg)
             result.notes.append(msg)
+    result.engine = getattr(peer, "engine_ran", None)
+    if result.engine is not None and result.label != result.name:
+        result.engine_fallback = next(iter(result.notes), None) or "fell back at set-up"
 
 
 #: "wall": elapsed time, what a user waits for; the only meaningful clock when a GPU does the work.
@@ -238,7 +333,11 @@ def run_benchmark(
     gpu_metrics: bool = True,
     settings: Optional[Dict[str, object]] = None,
     clock: str = "wall",
+    on_setup: Optional[Callable[[PeerResult, int, int, int, int], None]] = None,
 ) -> BenchResult:
+    """Set up every peer, then time ``repeats`` interleaved rounds. ``on_setup`` is called after
+    each peer is set up (the command line prints its time estimate from the first one). Ctrl-C
+    stops at once: the round it cut short is discarded and the result says ``interrupted``."""
     if steps < 1 or warmup < 1 or repeats < 1:
         raise ValueError("steps, warmup and repeats must each be at least 1")
     if clock not in CLOCKS:
@@ -256,55 +355,78 @@ def run_benchmark(
         total=len(peer_names) * (repeats + 1), desc="bench", unit="run", file=sys.stderr,
         disable=not progress, leave=False,
     )
+    interrupted = False
+    completed = 0
+    sampler = None
     try:
-        for name in peer_names:
-            bar.set_postfix_str(f"setup {name}")
-            peer = make_peer(name, workload)
-            res = results[name]
+        with _CtrlC() as ctrl_c:
             try:
-                with quiet():
-                    _setup_peer(peer, res, warmup, steps, count_syncs)
-                peers[name] = peer
-            except PeerUnavailable as exc:
-                res.status, res.reason = "unavailable", str(exc)
-                peer.close()
-            except Exception as exc:  # a peer that cannot be built is reported, not fatal
-                res.status, res.reason = "unavailable", _first_line(exc)
-                peer.close()
-            gc.collect()
-            bar.update(1)
+                for name in peer_names:
+                    bar.set_postfix_str(f"setup {name}")
+                    peer = make_peer(name, workload)
+                    res = results[name]
+                    try:
+                        with ctrl_c.guard(), quiet():
+                            _setup_peer(peer, res, warmup, steps, count_syncs)
+                        peers[name] = peer
+                    except BenchInterrupted:
+                        res.status, res.reason = "interrupted", "Ctrl-C during its set-up"
+                        peer.close()
+                        raise
+                    except PeerUnavailable as exc:
+                        res.status, res.reason = "unavailable", str(exc)
+                        peer.close()
+                    except Exception as exc:  # a peer that cannot be built is reported, not fatal
+                        res.status, res.reason = "unavailable", _first_line(exc)
+                        peer.close()
+                    gc.collect()
+                    bar.update(1)
+                    if on_setup is not None and name in peers:
+                        on_setup(res, warmup, steps, repeats, len(peer_names))
 
-        sampler = GpuSampler(workload.device) if gpu_metrics else None
-        gpu_summaries: Dict[str, List[Dict[str, object]]] = {n: [] for n in peers}
-        for repeat in range(repeats):
-            for name, peer in list(peers.items()):
-                bar.set_postfix_str(f"repeat {repeat + 1}/{repeats} {name}")
-                res = results[name]
-                # Same starting state for every measurement: garbage left by the previous peer
-                # must not be collected on this one's clock.
-                gc.collect()
-                try:
-                    with quiet(), RecompileCounter() as rc:
-                        if sampler is not None:
-                            sampler.start()
+                sampler = GpuSampler(workload.device) if gpu_metrics else None
+                gpu_summaries: Dict[str, List[Dict[str, object]]] = {n: [] for n in peers}
+                for repeat in range(repeats):
+                    # a repeat counts only once every peer has run it: an interrupted one is
+                    # dropped whole, so all peers keep the same number of interleaved repeats
+                    this_repeat: Dict[str, float] = {}
+                    for name, peer in list(peers.items()):
+                        bar.set_postfix_str(f"repeat {repeat + 1}/{repeats} {name}")
+                        res = results[name]
+                        # Same starting state for every measurement: garbage left by the previous
+                        # peer must not be collected on this one's clock.
+                        gc.collect()
                         try:
-                            per_step = _time_pair(peer, warmup, steps, clock_fn)
-                        finally:
-                            if sampler is not None:
-                                gpu_summaries[name].append(sampler.stop())
-                except Exception as exc:
-                    res.status, res.reason = "failed", f"during repeat {repeat + 1}: {_first_line(exc)}"
-                    peer.close()
-                    del peers[name]
-                    continue
-                res.recompiles += rc.recompiles
-                res.new_graphs += rc.new_graphs
-                res.graph_breaks += rc.graph_breaks
-                if per_step > 0:
-                    res.step_times.append(per_step)
-                else:
-                    res.invalid_repeats += 1
-                bar.update(1)
+                            with ctrl_c.guard(), quiet(), RecompileCounter() as rc:
+                                if sampler is not None:
+                                    sampler.start()
+                                try:
+                                    per_step = _time_pair(peer, warmup, steps, clock_fn)
+                                finally:
+                                    if sampler is not None:
+                                        gpu_summaries[name].append(sampler.stop())
+                        except BenchInterrupted:
+                            raise
+                        except Exception as exc:
+                            res.status, res.reason = "failed", f"during repeat {repeat + 1}: {_first_line(exc)}"
+                            peer.close()
+                            del peers[name]
+                            continue
+                        res.recompiles += rc.recompiles
+                        res.new_graphs += rc.new_graphs
+                        res.graph_breaks += rc.graph_breaks
+                        this_repeat[name] = per_step
+                        bar.update(1)
+                    for name, per_step in this_repeat.items():
+                        if name not in peers:
+                            continue
+                        if per_step > 0:
+                            results[name].step_times.append(per_step)
+                        else:
+                            results[name].invalid_repeats += 1
+                    completed = repeat + 1
+            except BenchInterrupted:
+                interrupted = True
         if sampler is not None:
             sampler.close()
             for name, summaries in gpu_summaries.items():
@@ -315,4 +437,7 @@ def run_benchmark(
             peer.close()
     all_settings = {"steps": steps, "warmup": warmup, "repeats": repeats, "peers": peer_names, "clock": clock}
     all_settings.update(settings or {})
-    return BenchResult(workload=workload.describe(), settings=all_settings, peers=[results[n] for n in peer_names])
+    return BenchResult(
+        workload=workload.describe(), settings=all_settings, peers=[results[n] for n in peer_names],
+        interrupted=interrupted, completed_repeats=completed,
+    )

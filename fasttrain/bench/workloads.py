@@ -276,6 +276,15 @@ SIZES: Dict[str, Dict[str, Dict[str, object]]] = {
 # work shows in the ratios
 DEFAULT_SIZE = {"mlp": "tiny", "convnet": "small", "gpt": "tiny"}
 DEFAULT_BATCH = {"mlp": 64, "convnet": 512, "gpt": 8}
+#: on a CPU the convnet at batch 512 spends minutes per peer; 32 keeps a peer well under a minute
+#: on two cores while still timing real convolution work
+DEFAULT_BATCH_CPU = {"mlp": 64, "convnet": 32, "gpt": 8}
+
+
+def default_batch_size(name: str, device: str | torch.device) -> int:
+    """The batch a workload uses unless told otherwise, per device type."""
+    table = DEFAULT_BATCH if torch.device(device).type == "cuda" else DEFAULT_BATCH_CPU
+    return table[name]
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -322,7 +331,7 @@ def make_workload(
     if channels_last and name != "convnet":
         raise ValueError("channels_last applies to the convnet workload only; drop --channels-last")
     device = torch.device(device)
-    batch_size = batch_size or DEFAULT_BATCH[name]
+    batch_size = batch_size or default_batch_size(name, device)
     if batch_size < 1:
         raise ValueError("batch size must be at least 1")
     if precision is None:

@@ -45,6 +45,8 @@ from fasttrain.callbacks.events import (
 from fasttrain.tracking import LossTracker
 from fasttrain.utils import DataLoaderSlice, ModelEma
 from tqdm import tqdm
+from fasttrain.callbacks.device_metrics import DeviceMetricsCallback
+from fasttrain.callbacks.trackers import AccelerateTrackerCallback
 
 __all__ = [
     "TrainerCallback",
@@ -66,6 +68,8 @@ __all__ = [
     "LimitBatchesCallback",
     "SaveTrainingStateCallback",
     "WSDCheckpointCallback",
+    "AccelerateTrackerCallback",
+    "DeviceMetricsCallback",
     "EVENTS",
     "PER_STEP_EVENTS",
     "LossTracker",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 from torch import nn
 from tqdm import tqdm
@@ -48,11 +49,16 @@ class TerminateOnNaNCallback(PerStepNaNCheck, TrainerCallback):
                 (i for i, loss in zip(metrics.step_indices, metrics.losses) if loss != loss or loss in (float("inf"), float("-inf"))),
                 None,
             )
-            phase = "training" if metrics.phase == "train" else "validation"
-            raise StopTrainingError(
-                f"Stopping training due to a non-finite {phase} loss at step {bad} of epoch "
-                f"{metrics.epoch}"
-            )
+            # the trainer's guard has already described the stop in full (update, weights,
+            # remedies); its message is used when it has one
+            message = getattr(getattr(trainer, "_nonfinite", None), "stop_message", None)
+            if message is None:
+                phase = "training" if metrics.phase == "train" else "validation"
+                message = (
+                    f"Stopping training due to a non-finite {phase} loss at step {bad} of epoch "
+                    f"{metrics.epoch}"
+                )
+            raise StopTrainingError(message)
 
 
 class PrintProgressCallback(TrainerCallback):
@@ -80,15 +86,19 @@ class PrintProgressCallback(TrainerCallback):
 class ProgressBarCallback(TrainerCallback):
     """A tqdm bar per epoch showing steps, the running loss and samples per second.
 
-    The step count is a host counter; the loss and throughput come from the batched flushes.
+    The step count is a host counter; the loss and throughput come from the batched flushes. At
+    the end of an epoch the bar shows the epoch's totals: every step it ran (also when a resumed
+    run started mid-epoch), the epoch's mean loss and its samples per second over the epoch.
     """
 
     def __init__(self, file=None):
         self.pbar = None
         self.eval_pbar = None
         self._file = file
+        self._started = {}
 
     def _new_bar(self, trainer, dataloader, desc):
+        self._started[desc] = time.perf_counter()
         return tqdm(
             total=len(dataloader),
             desc=desc,
@@ -99,22 +109,48 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_train_epoch_start(self, trainer, **kwargs):
         self.pbar = self._new_bar(trainer, trainer._train_dataloader, "train")
+        config = trainer.run_config
+        if config is not None and config.max_num_train_steps is not None:
+            # a run that reaches max_num_train_steps in this epoch ends before the loader does
+            left = (config.max_num_train_steps - trainer._num_updates) * config.gradient_accumulation_steps
+            self.pbar.total = max(0, min(self.pbar.total, left))
 
-    def on_train_step_end(self, trainer, **kwargs):
-        self.pbar.update(1)
+    def on_train_step_end(self, trainer, step, **kwargs):
+        # the step index, not a count of calls: a run resumed mid-epoch starts past 0
+        bar = self.pbar
+        if step >= bar.n:
+            if step >= bar.total:  # resumed mid-epoch: the steps before count too
+                bar.total = min(step + 1 + bar.total, len(trainer._train_dataloader))
+            bar.update(step + 1 - bar.n)
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
-        bar = self.pbar if metrics.phase == "train" else self.eval_pbar
+        train = metrics.phase == "train"
+        bar = self.pbar if train else self.eval_pbar
         if bar is None or bar.disable:
             return
         postfix = {"loss": f"{metrics.global_epoch_mean_loss:.4g}"}
-        if metrics.elapsed_s > 0:
-            postfix["samples/s"] = f"{metrics.num_samples / metrics.elapsed_s:.4g}"
+        if metrics.is_epoch_end:
+            # the whole epoch's rate: the last flush may hold few steps, or none at all
+            elapsed = time.perf_counter() - self._started["train" if train else "eval"]
+            samples = metrics.epoch_sample_count
+        else:
+            elapsed, samples = metrics.elapsed_s, metrics.num_samples
+        if elapsed > 0 and samples > 0:
+            postfix["samples/s"] = f"{samples / elapsed:.4g}"
         bar.set_postfix(postfix, refresh=False)
+        if metrics.is_epoch_end:
+            bar.refresh()
 
     def on_train_epoch_end(self, trainer, **kwargs):
         if self.pbar is not None:
             self.pbar.close()
+
+    def on_stop_training_error(self, trainer, **kwargs):
+        # the epoch will not end: close its bars where they stand, so that what is printed next
+        # starts on a line of its own
+        for bar in (self.pbar, self.eval_pbar):
+            if bar is not None:
+                bar.close()
 
     def on_eval_epoch_start(self, trainer, **kwargs):
         self.eval_pbar = self._new_bar(trainer, trainer._eval_dataloader, "eval")

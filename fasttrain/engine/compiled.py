@@ -3,7 +3,7 @@
 Three functions are compiled, each with the hooks it calls inlined:
 
 * the training forward: ``calculate_train_batch_loss`` and the 1/accumulation scaling of the
-  loss (``Trainer._loss_for_backward``). AOTAutograd compiles its backward at the same time, so
+  loss (the context's ``loss_for_backward``). AOTAutograd compiles its backward at the same time, so
   ``backward_step``'s ``loss.backward()`` runs a compiled backward graph;
 * the update: gradient clipping (the fused kernels, which are custom ops and trace) and
   ``optimizer_step``. The learning rate and Adam's betas are 0-dim tensors

@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 
 from fasttrain import prepare, signals
+from fasttrain.accelerate_state import build_accelerator
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -35,7 +36,7 @@ class ModuleRunner(FasttrainTrainer):
             from accelerate.utils import FullyShardedDataParallelPlugin
 
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
-        return Accelerator(mixed_precision=self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
+        return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):
         self._train_dl_kwargs = {"batch_size": batch_size, "shuffle": False}

@@ -1,0 +1,132 @@
+"""The README's benchmark tables, generated from committed result files.
+
+A table lives between two markers, the opening one naming the JSON file that ``fasttrain bench``
+wrote (path relative to the Markdown file)::
+
+    <!-- bench-table: benchmarks/results/cpu-mlp-tiny.json -->
+    ...generated...
+    <!-- /bench-table -->
+
+``fasttrain readme`` rewrites what is between them; ``fasttrain readme --check`` (run by the
+tests) fails when a table no longer matches its file, so the README cannot drift from the
+measurement it quotes. Every row the run printed appears, in the run's order.
+
+Ratios are taken per repeat: the repeats are interleaved, so repeat r of every peer ran under
+the same machine conditions, and ``bare_time[r] / peer_time[r]`` is a paired measurement. The
+table gives their median with the minimum and maximum, and says how many repeats there were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+from typing import Dict, List, Optional
+
+from fasttrain.bench.report import paired_ratios
+from fasttrain.bench.runner import peer_label
+
+_BLOCK = re.compile(
+    r"(?P<open><!-- bench-table: (?P<path>[^\s]+) -->\n)(?P<body>.*?)(?P<close><!-- /bench-table -->)",
+    re.DOTALL,
+)
+BASELINE = "bare"
+PTA = "pytorch-accelerated"
+
+
+class ReadmeTableError(ValueError):
+    """A marked table names a result file that is missing or not a ``fasttrain bench`` result."""
+
+
+def _rate(value: Optional[float]) -> str:
+    if value is None:
+        return "n/a"
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+def _range(values: List[float], spec: str = ".2f") -> str:
+    if not values:
+        return "n/a"
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return format(mid, spec)
+    return f"{mid:{spec}} [{min(values):{spec}}-{max(values):{spec}}]"
+
+
+def render_table(result: Dict[str, object], source: str) -> str:
+    """The Markdown for one result file: a line saying what ran, then one row per peer."""
+    env, wl, settings = result["environment"], result["workload"], result["settings"]
+    peers = result["peers"]
+    times = {p["name"]: p["step_times"] for p in peers if p["status"] == "ok" and p["step_times"]}
+    repeats = min((len(t) for t in times.values()), default=0)
+    interrupted = " (interrupted)" if result.get("interrupted") else ""
+    lines = [
+        f"{env['device_name']}, {settings['threads']} thread(s), torch {env['torch']}; "
+        f"`{settings['command']}`: {wl['workload']} {wl['size']}, batch {wl['batch_size']}, "
+        f"{wl['amp_dtype']}; {settings['steps']} steps after {settings['warmup']} warm-up, "
+        f"{repeats} interleaved repeats{interrupted}, {settings.get('clock', 'wall')} clock. "
+        f"Values are median [min-max] over the repeats; ratios are per repeat. "
+        f"Source: `{source}`.",
+        "",
+        "| peer | steps/s | x bare | x pytorch-accelerated | host syncs/step |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for p in peers:
+        label = peer_label(p["name"], p.get("engine"))
+        if p["name"] not in times:
+            lines.append(f"| {label} | {p['status']}: {(p.get('reason') or '').replace('|', '/')} | | | |")
+            continue
+        rates = [1.0 / t for t in times[p["name"]]]
+        vs_bare = paired_ratios(times[p["name"]], times.get(BASELINE, []))
+        vs_pta = paired_ratios(times[p["name"]], times.get(PTA, []))
+        steps = f"{_rate(statistics.median(rates))} [{_rate(min(rates))}-{_rate(max(rates))}]"
+        syncs = p.get("host_syncs_per_step")
+        lines.append(
+            f"| {label} | {steps} | {_range(vs_bare)} | {_range(vs_pta)} | "
+            f"{'n/a' if syncs is None else format(syncs, '.3g')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _load(markdown_path: str, source: str) -> Dict[str, object]:
+    path = os.path.join(os.path.dirname(os.path.abspath(markdown_path)), source)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ReadmeTableError(f"{markdown_path}: the table marker names {source}, which does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ReadmeTableError(f"{source} is not JSON ({exc})") from None
+    missing = {"environment", "workload", "settings", "peers"} - set(data)
+    if missing:
+        raise ReadmeTableError(f"{source} is not a fasttrain bench result: no {', '.join(sorted(missing))}")
+    return data
+
+
+def rewrite_tables(markdown_path: str, check: bool = False) -> List[str]:
+    """Regenerate every marked table of ``markdown_path``; returns the result files whose table
+    changed (with ``check``, nothing is written)."""
+    with open(markdown_path) as f:
+        text = f.read()
+    if not _BLOCK.search(text):
+        raise ReadmeTableError(
+            f"{markdown_path} has no '<!-- bench-table: FILE -->' ... '<!-- /bench-table -->' section"
+        )
+    changed: List[str] = []
+
+    def replace(match: re.Match) -> str:
+        source = match.group("path")
+        body = render_table(_load(markdown_path, source), source)
+        if body != match.group("body"):
+            changed.append(source)
+        return match.group("open") + body + match.group("close")
+
+    new_text = _BLOCK.sub(replace, text)
+    if changed and not check:
+        with open(markdown_path, "w") as f:
+            f.write(new_text)
+    return changed

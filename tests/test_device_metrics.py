@@ -1,0 +1,127 @@
+"""DeviceMetricsCallback: metrics updated on the device per step, computed at epoch ends."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+torchmetrics = pytest.importorskip("torchmetrics")
+
+from fasttrain.callbacks import TrainerCallback  # noqa: E402
+from fasttrain.callbacks.device_metrics import DeviceMetricsCallback  # noqa: E402
+from fasttrain.trainer import Trainer  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_accelerate_state():
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
+
+def _data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+class _SyncsPerStep(TrainerCallback):
+    def __init__(self, counts):
+        self.counts, self.at_step_end = counts, []
+
+    def on_train_step_end(self, trainer, **kwargs):
+        self.at_step_end.append(self.counts["n"])
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_epoch_values_match_a_direct_computation_without_per_step_syncs(engine, sync_counter):
+    from torchmetrics.aggregation import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    metrics = DeviceMetricsCallback(
+        {"accuracy": MulticlassAccuracy(num_classes=3, average="micro", validate_args=False)},
+        phases=("train", "eval"),
+    )
+    # nan_strategy="disable": the default checks the values for NaN, a host read per update
+    mean_loss = MeanMetric(nan_strategy="disable")
+
+    class LossMean(TrainerCallback):
+        def on_train_step_end(self, trainer, batch_output, **kwargs):
+            mean_loss.update(batch_output["loss"].detach())
+
+    syncs = _SyncsPerStep(sync_counter)
+    eval_set = _data(10, 2)
+    trainer = Trainer(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                      callbacks=[metrics, LossMean(), syncs], engine=engine, log_every_n_steps=100)
+    trainer.train(_data(24, 1), num_epochs=1, eval_dataset=eval_set, per_device_batch_size=4,
+                  train_dataloader_kwargs={"num_workers": 0}, eval_dataloader_kwargs={"num_workers": 0})
+    assert len(syncs.at_step_end) == 6
+    assert syncs.at_step_end[0] == syncs.at_step_end[-1], "a host read happened between steps"
+    history = trainer.run_history
+    with torch.no_grad():
+        expected = (trainer.get_model()(eval_set.tensors[0]).argmax(-1) == eval_set.tensors[1]).float().mean()
+    assert history.get_metric_values("eval_accuracy_epoch") == [pytest.approx(expected.item(), abs=1e-7)]
+    assert len(history.get_metric_values("train_accuracy_epoch")) == 1
+    # equal batch sizes: the mean of the step losses is the epoch loss
+    assert mean_loss.compute().item() == pytest.approx(history.get_latest_metric("train_loss_epoch"), abs=1e-6)
+
+
+def test_evaluate_records_evaluation_values_and_vector_metrics_per_element():
+    from torchmetrics.classification import MulticlassAccuracy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    cb = DeviceMetricsCallback({"acc": MulticlassAccuracy(num_classes=3, average=None, validate_args=False)})
+    trainer = Trainer(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                      callbacks=[cb], engine="eager")
+    data = _data(9, 3)
+    trainer.evaluate(data, per_device_batch_size=4, dataloader_kwargs={"num_workers": 0})
+    with torch.no_grad():
+        preds = model(data.tensors[0]).argmax(-1)
+    for c in range(3):
+        mask = data.tensors[1] == c
+        want = (preds[mask] == c).float().mean().item() if mask.any() else 0.0
+        assert trainer.run_history.get_metric_values(f"evaluation_acc_{c}") == [pytest.approx(want)]
+
+
+def test_bad_arguments_say_what_to_pass():
+    with pytest.raises(ValueError, match="non-empty"):
+        DeviceMetricsCallback({})
+    with pytest.raises(TypeError, match="torchmetrics.Metric"):
+        DeviceMetricsCallback({"acc": lambda p, t: 0})
+    with pytest.raises(ValueError, match="phases must be among"):
+        DeviceMetricsCallback({"m": torchmetrics.MeanMetric()}, phases=("test",))
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_processes_compute_over_all_samples(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(HERE / "dist" / "device_metrics_worker.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["num_processes"] == 2
+    # each process saw part of the 13 evaluation samples per epoch; the metric covers all of them
+    assert r0["local_eval_samples"] + r1["local_eval_samples"] == 2 * 13
+    assert 0 < r0["local_eval_samples"] < 2 * 13
+    assert r0["history"]["eval_samples_epoch"] == [13.0, 13.0]
+    assert r0["history"]["eval_accuracy_epoch"][-1] == pytest.approx(r0["expected_accuracy"], abs=1e-7)
+    assert r1["history"]["eval_accuracy_epoch"] == r0["history"]["eval_accuracy_epoch"]

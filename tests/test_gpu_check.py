@@ -1,0 +1,92 @@
+"""benchmarks/gpu_check.py, the engine checks of the GPU run, in its CPU mode at tiny sizes."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import gpu_check as G  # noqa: E402
+
+
+def _run(engine, active=None, warnings=(), **kw):
+    run = G.RunResult("mlp", "fp32", engine, active_engine=active or engine, active_eval_engine=active or engine)
+    run.fallback_warnings = list(warnings)
+    run.weights = {"w": torch.ones(4)}
+    run.losses = [1.0, 0.9]
+    run.flushes_after_warmup, run.epoch_ends_after_warmup = 3, 4
+    for key, value in kw.items():
+        setattr(run, key, value)
+    return run
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_cpu_mode_runs_and_writes_its_results(tmp_path, capsys):
+    status = G.main(
+        ["--device", "cpu", "--tiny", "--compile-backend", "aot_eager", "--workloads", "mlp", "--precisions", "fp32",
+         "--out", str(tmp_path)]
+    )
+    assert status == 0, capsys.readouterr().out
+    record = json.loads((tmp_path / "check.json").read_text())
+    runs = {r["engine"]: r for r in record["runs"]}
+    assert record["failures"] == []
+    assert runs["cudagraph"]["active_engine"] == "compiled"  # no CUDA graphs on a CPU
+    assert any("falls back" in w for w in runs["cudagraph"]["fallback_warnings"])
+    assert runs["compiled"]["weight_rel_diff"] <= G.FP32_WEIGHT_RTOL
+    assert runs["compiled"]["steps_after_warmup"] > 0 and runs["compiled"]["recompiles_after_warmup"] == 0
+    assert "all checks passed" in (tmp_path / "check.md").read_text()
+
+
+def test_agreeing_runs_pass():
+    assert G.judge([_run("eager"), _run("compiled")], CUDA) == []
+
+
+def test_silent_fallback_fails():
+    failures = G.judge([_run("eager"), _run("cudagraph", active="compiled")], CPU)
+    assert failures == ["mlp/fp32/cudagraph: fell back to 'compiled' without a warning"]
+
+
+def test_other_engine_than_asked_fails_even_with_a_warning():
+    failures = G.judge([_run("eager"), _run("cudagraph", active="compiled", warnings=["x falls back"])], CUDA)
+    assert len(failures) == 2 and "training ran 'compiled'" in failures[0] and "warnings raised" in failures[1]
+
+
+def test_differing_weights_fail():
+    bad = _run("compiled", weights={"w": torch.ones(4) * (1 + 2 * G.FP32_WEIGHT_RTOL)})
+    failures = G.judge([_run("eager"), bad], CUDA)
+    assert len(failures) == 1 and "final weights differ" in failures[0]
+
+
+def test_bf16_losses_beyond_noise_fail():
+    ok = _run("compiled", precision="bf16", losses=[1.0, 0.9 * (1 + G.BF16_LOSS_MEAN_RTOL)])
+    bad = _run("compiled", precision="bf16", losses=[1.0, 0.9 * (1 + 2 * G.BF16_LOSS_MAX_RTOL)])
+    assert G.judge([_run("eager", precision="bf16"), ok], CUDA) == []
+    assert "losses differ" in G.judge([_run("eager", precision="bf16"), bad], CUDA)[0]
+
+
+def test_recompiles_and_syncs_over_budget_fail():
+    budget = G.SYNCS_PER_FLUSH * 3 + G.SYNCS_PER_EPOCH_END * 4
+    assert G.judge([_run("eager", cuda_syncs_after_warmup=budget, host_reads_after_warmup=budget)], CUDA) == []
+    failures = G.judge([_run("eager", recompiles_after_warmup=1, cuda_syncs_after_warmup=budget + 1)], CUDA)
+    assert len(failures) == 2 and "compiled after the first epoch" in failures[0] and "CUDA syncs" in failures[1]
+
+
+def test_weight_difference_is_over_the_whole_state():
+    ref = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+    assert G.weight_difference({"a": torch.tensor([3.0]), "b": torch.tensor([4.5])}, ref) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="differ in keys"):
+        G.weight_difference({"a": torch.tensor([3.0])}, ref)
+
+
+def test_bad_options_say_what_to_change(capsys):
+    with pytest.raises(SystemExit):
+        G.parse_args(["--device", "cpu", "--workloads", "resnet"])
+    assert "choose from mlp, convnet, gpt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        G.parse_args(["--device", "cpu", "--engines", "compiled"])
+    assert "must include eager" in capsys.readouterr().err
