@@ -4,13 +4,7 @@ through the StepContext it builds (fasttrain/engine/context.py)."""
 import ast
 from pathlib import Path
 
-import pytest
-import torch
-
 import fasttrain
-from fasttrain import Trainer, prepare
-from fasttrain.engine import EagerEngine, create_engine
-from fasttrain.engine.context import StepContext
 
 PACKAGE = Path(fasttrain.__file__).parent
 KERNELS = Path(fasttrain.kernels.__file__).parent
@@ -89,64 +83,3 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     assert "fasttrain.trainer" in found and "fasttrain.callbacks" in found
     assert _is_under("fasttrain.callbacks", ABOVE_ENGINE)
     assert not _is_under("fasttrain.callbacksx", ABOVE_ENGINE)
-
-
-def test_an_engine_runs_from_a_context_without_any_trainer():
-    # a plain object with the public hooks is enough: the engine asks nothing else of it
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    calls = []
-
-    class Hooks:
-        device = torch.device("cpu")
-        scheduler = None
-
-        def __init__(self):
-            self.model, self.optimizer = model, optimizer
-
-        def calculate_train_batch_loss(self, batch):
-            calls.append("forward")
-            return {"loss": self.model(batch).pow(2).mean(), "batch_size": batch.size(0)}
-
-        def backward_step(self, loss):
-            calls.append("backward")
-            loss.backward()
-
-        def optimizer_step(self):
-            calls.append("step")
-            self.optimizer.step()
-
-        def optimizer_zero_grad(self):
-            calls.append("zero_grad")
-            self.optimizer.zero_grad()
-
-    ctx = StepContext(
-        trainer=Hooks(),
-        loss_for_backward=lambda out: out["loss"] / 2,
-        clip=lambda: calls.append("clip"),
-        step_was_skipped=lambda: False,
-        no_sync=lambda update: __import__("contextlib").nullcontext(),
-    )
-    engine = create_engine("eager", ctx)
-    assert isinstance(engine, EagerEngine)
-    before = model.weight.detach().clone()
-    engine.train_step(torch.ones(2, 3), update=False)
-    assert calls == ["forward", "backward"]
-    engine.train_step(torch.ones(2, 3), update=True)
-    assert calls[2:] == ["forward", "backward", "clip", "step", "zero_grad"]
-    assert not torch.equal(model.weight, before)
-
-
-def test_the_trainer_context_records_overridden_hooks_and_loss_scaling():
-    class Custom(Trainer):
-        def optimizer_zero_grad(self):
-            super().optimizer_zero_grad()
-
-    model = torch.nn.Linear(3, 1)
-    trainer = Custom(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[])
-    ctx = prepare.step_context(trainer, Trainer)
-    assert ctx.overridden_hooks == frozenset({"optimizer_zero_grad"})
-    assert ctx.overrides("optimizer_zero_grad") and not ctx.overrides("backward_step")
-    assert ctx.capture_blockers == ()
-    with pytest.raises(ValueError, match="'loss'"):
-        ctx.loss_for_backward({"model_outputs": None})
