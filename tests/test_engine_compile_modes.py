@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fasttrain import Trainer
+from fasttrain import Trainer, prepare
 from fasttrain.engine import CompiledEngine, CudaGraphEngine
 from fasttrain.engine.compiled import CompileSettings, settings_for_engine
 
@@ -39,7 +39,7 @@ def test_refused_at_construction_not_in_train():
     with pytest.raises(ValueError, match="Unknown compile_options"):
         Trainer(MLP(), torch.nn.functional.cross_entropy, None, engine="eager", compile_options={"moed": "default"})
     trainer = Trainer(MLP(), torch.nn.functional.cross_entropy, None, engine="cudagraph", compile_options={"mode": "reduce-overhead"})
-    assert CudaGraphEngine(trainer).settings.mode is None
+    assert CudaGraphEngine(prepare.step_context(trainer, Trainer)).settings.mode is None
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
@@ -48,7 +48,7 @@ def test_the_compiled_fallback_does_not_bring_the_mode_back(monkeypatch, mode):
     model = MLP()
     trainer = Trainer(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
                       engine="cudagraph", compile_options={"mode": mode})
-    engine = CudaGraphEngine(trainer)
+    engine = CudaGraphEngine(prepare.step_context(trainer, Trainer))
     fallback = engine._make_fallback(CompiledEngine)
     assert type(fallback) is CompiledEngine
     assert fallback.settings == engine.settings

@@ -25,7 +25,7 @@ def create_engine(name: str, ctx: StepContext) -> StepEngine:
     if not isinstance(ctx, StepContext):
         raise TypeError(
             f"create_engine needs a StepContext (fasttrain.engine.context), got {type(ctx).__name__}; "
-            "a Trainer builds one with its step_context() method"
+            "a Trainer builds one with fasttrain.prepare.step_context"
         )
     auto = name == "auto"
     if auto:

@@ -26,6 +26,11 @@ class StepEngine:
     name = "base"
 
     def __init__(self, ctx: StepContext):
+        if not isinstance(ctx, StepContext):
+            raise TypeError(
+                f"{type(self).__name__} needs a StepContext (fasttrain.engine.context), got "
+                f"{type(ctx).__name__}; a Trainer builds one with fasttrain.prepare.step_context"
+            )
         self.ctx = ctx
         #: the object whose public hooks the step runs (engines use no private name of it)
         self.trainer = ctx.trainer
