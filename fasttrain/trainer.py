@@ -352,8 +352,9 @@ class Trainer(ForwardBackwardHelper):
         gradients of all micro-steps are accumulated. ``resume_from`` is a directory written by
         :meth:`save_training_state`: training continues from the exact step it was saved at.
         """
-        # every decision about the run is made here, once: arguments, loaders, accelerate, clipping, the
-        # scheduler, the engine and its step context, the non-finite guard, the resume point
+        # every decision about the run is made here, once: arguments, loaders, accelerate,
+        # clipping, the scheduler, the engine and its step context, the non-finite guard, the
+        # resume point
         prepare.set_up_training(
             self,
             Trainer,
