@@ -44,6 +44,7 @@ from fasttrain.callbacks import (  # noqa: F401
     TerminateOnNaNCallback,
 )
 from fasttrain.tracking import LossTracker  # noqa: F401
+from accelerate.utils import DistributedType, set_seed  # noqa: F401
 from fasttrain.utils import remove_padding, worker_init_fn  # noqa: F401
 
 DEFAULT_CALLBACKS = get_default_callbacks()
