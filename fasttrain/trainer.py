@@ -120,6 +120,10 @@ class Trainer(ForwardBackwardHelper):
         (:mod:`fasttrain.regional`): ``True`` finds the blocks, or give their classes. It shortens
         compile time with ``engine="eager"`` (the compiled engines compile the whole step, blocks
         included); it takes ``compile_options``.
+    :param accelerator_kwargs: keyword arguments for accelerate's ``Accelerator``, for the
+        distributed set-up: ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...)``,
+        ``parallelism_config``, ``kwargs_handlers=[DistributedDataParallelKwargs(...)]``
+        (docs/distributed.md). Mixed precision is ``mixed_precision``'s.
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class Trainer(ForwardBackwardHelper):
         resume_data_skip: str = "sampler",
         activation_checkpointing=None,
         compile_regions=None,
+        accelerator_kwargs: Optional[dict] = None,
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
@@ -176,6 +181,7 @@ class Trainer(ForwardBackwardHelper):
         self.mixed_precision = mixed_precision
         self.seed = seed
         self.compile_options = dict(compile_options or {})
+        self.accelerator_kwargs = validation.accelerator_kwargs(accelerator_kwargs, mixed_precision)
         self._accelerator = self._create_accelerator()
         self._pad_uneven_eval_batches = False
         self._engine = None
@@ -213,7 +219,7 @@ class Trainer(ForwardBackwardHelper):
         return CallbackHandler(callbacks)
 
     def _create_accelerator(self) -> Accelerator:
-        return build_accelerator(self.mixed_precision)
+        return build_accelerator(self.mixed_precision, **self.accelerator_kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None) -> Iterable:
         """The training dataloader: the defaults of :meth:`get_default_train_dl_kwargs` updated

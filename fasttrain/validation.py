@@ -62,6 +62,23 @@ def trainer_options(*, nonfinite, interrupt_save_dir, handle_signals, resume_dat
         raise TypeError(f"handle_signals must be True or False, got {handle_signals!r}")
 
 
+def accelerator_kwargs(kwargs, mixed_precision) -> dict:
+    """``Trainer(accelerator_kwargs=...)``: a dict of keyword arguments for ``Accelerator``."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise TypeError(
+            "accelerator_kwargs must be a dict of keyword arguments for accelerate's Accelerator, "
+            f"e.g. {{'fsdp_plugin': FullyShardedDataParallelPlugin(fsdp_version=2)}}, not {type(kwargs).__name__}"
+        )
+    if "mixed_precision" in kwargs:
+        raise ValueError(
+            "pass mixed precision as Trainer(mixed_precision=...), not inside accelerator_kwargs"
+            + (f" (mixed_precision={mixed_precision!r} is also given)" if mixed_precision is not None else "")
+        )
+    return dict(kwargs)
+
+
 def _dataset_length(dataset):
     try:
         return len(dataset)
