@@ -13,6 +13,7 @@ import warnings
 from accelerate.utils import DistributedType, set_seed
 
 from fasttrain import checkpointing, validation
+from fasttrain.accelerate_state import check_accelerator
 from fasttrain.data import place_single_process, with_device_attribute
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper, UpdateClip
@@ -39,6 +40,8 @@ def prepare_run(trainer) -> None:
         if isinstance(prepared, list):
             prepared.clear()
     trainer._accelerator = trainer._create_accelerator()
+    # also for an accelerator from an overridden _create_accelerator or a launcher's environment
+    check_accelerator(trainer._accelerator)
     if trainer.seed is not None:
         set_seed(trainer.seed, device_specific=True)
     acc = trainer._accelerator

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from fasttrain import checkpointing, loops, prepare, signals
-from fasttrain.accelerate_state import build_accelerator
+from fasttrain.accelerate_state import build_accelerator, check_accelerator, GivenAccelerator
 from fasttrain.compat import ForwardBackwardHelper
 from fasttrain.callbacks import (
     CallbackHandler,
@@ -124,6 +124,9 @@ class Trainer(ForwardBackwardHelper):
         distributed set-up: ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...)``,
         ``parallelism_config``, ``kwargs_handlers=[DistributedDataParallelKwargs(...)]``
         (docs/distributed.md). Mixed precision is ``mixed_precision``'s.
+    :param accelerator: a ready ``accelerate.Accelerator`` used for every ``train()`` and
+        ``evaluate()`` instead of one built per run; its settings are its own, so it excludes
+        ``accelerator_kwargs`` and ``mixed_precision``.
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class Trainer(ForwardBackwardHelper):
         activation_checkpointing=None,
         compile_regions=None,
         accelerator_kwargs: Optional[dict] = None,
+        accelerator: Optional[Accelerator] = None,
     ):
         validation.positive_int("log_every_n_steps", log_every_n_steps)
         validation.engine_name(engine)
@@ -182,7 +186,10 @@ class Trainer(ForwardBackwardHelper):
         self.seed = seed
         self.compile_options = dict(compile_options or {})
         self.accelerator_kwargs = validation.accelerator_kwargs(accelerator_kwargs, mixed_precision)
+        given = validation.ready_accelerator(accelerator, accelerator_kwargs, mixed_precision)
+        self._given_accelerator = GivenAccelerator(given) if given is not None else None
         self._accelerator = self._create_accelerator()
+        check_accelerator(self._accelerator)
         self._pad_uneven_eval_batches = False
         self._engine = None
         self._step_context = None  # built with the engine by prepare.setup_engine
@@ -219,6 +226,8 @@ class Trainer(ForwardBackwardHelper):
         return CallbackHandler(callbacks)
 
     def _create_accelerator(self) -> Accelerator:
+        if self._given_accelerator is not None:
+            return self._given_accelerator.get()
         return build_accelerator(self.mixed_precision, **self.accelerator_kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None) -> Iterable:

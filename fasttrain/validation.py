@@ -79,6 +79,27 @@ def accelerator_kwargs(kwargs, mixed_precision) -> dict:
     return dict(kwargs)
 
 
+def ready_accelerator(accelerator, kwargs, mixed_precision):
+    """``Trainer(accelerator=...)``: an ``Accelerator`` that replaces the ones fasttrain would
+    build, so it cannot come with settings for those."""
+    if accelerator is None:
+        return None
+    from accelerate import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(
+            f"accelerator must be an accelerate.Accelerator (or None), not {type(accelerator).__name__}"
+        )
+    given = [name for name, value in (("accelerator_kwargs", kwargs), ("mixed_precision", mixed_precision)) if value]
+    if given:
+        raise ValueError(
+            f"Trainer(accelerator=...) is used as it is, so {' and '.join(given)} would be ignored: "
+            "build the Accelerator with those settings (Accelerator(mixed_precision=..., fsdp_plugin=...)), "
+            "or drop accelerator= and let the Trainer build one from them."
+        )
+    return accelerator
+
+
 def _dataset_length(dataset):
     try:
         return len(dataset)
