@@ -232,6 +232,7 @@ def set_up_training(
         per_device_batch_size=per_device_batch_size,
         gradient_clip_value=gradient_clip_value,
     )
+    validation.ddp_options(trainer.model, gradient_accumulation_steps)
     if hasattr(type(trainer.train_dataset), "__len__"):
         # a sized dataset whose loader yields nothing (drop_last); the loader of a dataset
         # without a length has no meaningful length either

@@ -100,6 +100,20 @@ def ready_accelerator(accelerator, kwargs, mixed_precision):
     return accelerator
 
 
+def ddp_options(model, gradient_accumulation_steps: int) -> None:
+    """DDP options that cannot train with the run's settings, refused before the first step."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return
+    if getattr(model, "static_graph", False) and gradient_accumulation_steps > 1:
+        raise ValueError(
+            "DistributedDataParallelKwargs(static_graph=True) cannot train with "
+            f"gradient_accumulation_steps={gradient_accumulation_steps}: DDP records its static graph "
+            "in the first iteration, which then runs under no_sync, and its reducer fails an internal "
+            "assertion in that iteration's backward. Drop static_graph=True, or use "
+            "gradient_accumulation_steps=1 with a larger per_device_batch_size."
+        )
+
+
 def _dataset_length(dataset):
     try:
         return len(dataset)

@@ -24,6 +24,11 @@ warning naming the hook. Torch's optimizers break the graph around ``step`` on p
 AOTAutograd's no-grad inference graph), so the update is compiled with ``fullgraph=False``.
 Until the first update has succeeded, each micro-step is guarded by a snapshot of everything it
 can mutate, so a failure in the middle of a step is undone before the fallback redoes it.
+
+A model wrapped by DDP or sharded by FSDP2 is compiled with graph breaks allowed in the forward:
+dynamo breaks at DDP's wrapper and at FSDP2's per-module hooks on purpose, and compiles what lies
+between (for FSDP2, each sharded block) as graphs of their own; the collectives stay eager
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -187,6 +192,15 @@ def compiled_functions(trainer, settings: CompileSettings) -> _CompiledFunctions
     return per_trainer[key]
 
 
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or a module inside it) is sharded by FSDP2's ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return False
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
 def describe_error(error: BaseException) -> str:
     """A short reason for a warning: the exception type, its first line and, for dynamo's
     errors, the line of user code that caused it."""
@@ -237,6 +251,14 @@ class CompiledEngine(StepEngine):
                 # bookkeeping on purpose and compiles the wrapped module's forward on its own,
                 # split at gradient-bucket boundaries (DDPOptimizer) so that the all-reduces of
                 # the backward overlap it. fullgraph=True would refuse that, falling back to eager.
+                self.settings = dataclasses.replace(self.settings, fullgraph=False)
+            elif is_fsdp2(trainer.model):
+                # FSDP2's hooks on each sharded module (all-gather before its forward, reshard
+                # after, reduce-scatter of its gradients in the backward) are skipped by dynamo
+                # (torch._dynamo.config.skip_fsdp_hooks): the graph breaks at every sharded
+                # module and the compute of each block between two breaks is compiled as a graph
+                # of its own, while the collectives run eagerly from the hooks on FSDP2's
+                # streams. fullgraph=True would refuse the first break and fall back to eager.
                 self.settings = dataclasses.replace(self.settings, fullgraph=False)
             self._functions = compiled_functions(trainer, self.settings)
         recompile_limit.install()

@@ -20,10 +20,11 @@ naming the hook. The first steps (warm-up) run the compiled engine's path on a s
 that also compiles the functions the graphs then capture, so capture triggers no compilation.
 
 Requirements: a CUDA device, one process (DDP capture needs DDP built on a side stream, which
-accelerate does not do), SGD/Adam/AdamW (captured with ``capturable=True``), no fp16 loss
-scaling, batches of one shape (the last, smaller batch of an epoch runs through the compiled
-path; any other change of shape falls back to the compiled engine), and hooks whose Python
-control flow does not change between steps (a graph replays the kernels recorded at capture).
+accelerate does not do; FSDP2 steps are never captured, see ``FSDP2_REASON``), SGD/Adam/AdamW
+(captured with ``capturable=True``), no fp16 loss scaling, batches of one shape (the last,
+smaller batch of an epoch runs through the compiled path; any other change of shape falls back
+to the compiled engine), and hooks whose Python control flow does not change between steps (a
+graph replays the kernels recorded at capture).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fasttrain.engine.compiled import (
     CompileSettings,
     _is_control_flow,
     describe_error,
+    is_fsdp2,
 )
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
@@ -59,6 +61,15 @@ MAX_RECAPTURES = 3
 #: batch shapes other than the captured one that may run through the compiled path (the last
 #: partial batch of the training and of the evaluation epoch) before shapes count as dynamic
 MAX_OFF_GRAPH_SHAPES = 1
+
+
+#: why no sharded (FSDP2) step is captured; the compiled engine runs it instead
+FSDP2_REASON = (
+    "FSDP2 steps are not captured: FSDP2 all-gathers parameters and reduce-scatters gradients "
+    "from per-module hooks on streams of its own, with host-side state per step (which modules are "
+    "unsharded, the gradient-sync flag of accumulation), none of which a replayed graph would "
+    "redo; the compiled engine compiles each sharded block instead"
+)
 
 
 class _CaptureRefused(RuntimeError):
@@ -115,6 +126,9 @@ class CudaGraphEngine(CompiledEngine):
 
     def unsupported_reason(self, training: bool) -> Optional[str]:
         trainer = self.trainer
+        # before the device: the sharded set-up decides on every device, so the CPU tests see it
+        if is_fsdp2(trainer.model):
+            return FSDP2_REASON
         reason = self._device_reason()
         if reason is not None:
             return reason

@@ -1,0 +1,220 @@
+"""FSDP2 on two gloo processes against one process at twice the batch; a bad launch.
+
+Three launches run at the same time, once for the module: ``torchrun --nproc_per_node 2`` of
+``tests/dist/fsdp_worker.py`` with ``ACCELERATE_USE_CPU=1`` (FSDP2 through accelerate's own
+preparation, as on GPUs), one plain process of it (the references), and ``torchrun
+--nproc_per_node 2`` without ``ACCELERATE_USE_CPU`` and without GPUs, which accelerate takes
+for one process in each: that launch must fail in both processes, quickly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "dist" / "fsdp_worker.py"
+
+pytestmark = pytest.mark.multiprocess
+
+LAUNCH_TIMEOUT_S = 240
+BAD_LAUNCH_TIMEOUT_S = 90
+# two processes against one: sums reduced in another order (all-reduce of shards, mean over
+# processes), through 8 AdamW updates, fp32
+RTOL, ATOL = 1e-5, 1e-6
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+CASES = ("k1", "k2", "k2_compiled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(_free_port()), str(WORKER), *args]
+
+
+def _start(cmd, log_path: Path, env) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        # a session of its own, so that a timeout ends the launcher and its workers together
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, log_path: Path, deadline: float, what: str) -> int:
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"{what} timed out; end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
+    return proc.returncode
+
+
+def _succeed(proc, log_path, deadline, what) -> None:
+    if _wait(proc, log_path, deadline, what) != 0:
+        pytest.fail(f"{what} failed ({proc.returncode}); end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cpu_env = dict(env, ACCELERATE_USE_CPU="1")
+    # no ACCELERATE_USE_CPU, no GPU: what accelerate does not recognise as a launch
+    bad_env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
+    bad_env["CUDA_VISIBLE_DEVICES"] = ""
+    start = time.monotonic()
+    multi = _start(_torchrun(str(out)), out / "two_processes.log", cpu_env)
+    single = _start([sys.executable, str(WORKER), str(out)], out / "one_process.log", cpu_env)
+    bad = _start(_torchrun("--bad-launch"), out / "bad_launch.log", bad_env)
+    bad_code = _wait(bad, out / "bad_launch.log", start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
+    bad_log = (out / "bad_launch.log").read_text(errors="replace")
+    deadline = start + LAUNCH_TIMEOUT_S
+    _succeed(single, out / "one_process.log", deadline, "the single-process reference")
+    _succeed(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2 (FSDP2)")
+    loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("rank0_world2", "rank1_world2", "rank0_world1")}
+    print(f"\nFSDP launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))
+    loaded["bad_launch"] = (bad_code, bad_log)
+    return loaded
+
+
+def _ranks(launches, key):
+    return launches["rank0_world2"][key], launches["rank1_world2"][key]
+
+
+def _reference(launches, name):
+    return launches["rank0_world1"][f"train/{name.replace('_compiled', '')}"]
+
+
+# ------------------------------------------------------------------------------------ training
+@pytest.mark.parametrize("name", CASES)
+def test_fsdp2_equals_one_process_at_twice_the_batch(launches, name):
+    reference = _reference(launches, name)
+    for run in _ranks(launches, f"train/{name}"):
+        assert run["model_class"] == "FSDPNet"  # sharded by fully_shard, not DDP
+        assert run["num_updates"] == reference["num_updates"] == 8
+        assert run["weights"].keys() == reference["weights"].keys()
+        for key, value in run["weights"].items():
+            torch.testing.assert_close(value, reference["weights"][key], rtol=RTOL, atol=ATOL, msg=key)
+        torch.testing.assert_close(run["train_loss_epoch"], reference["train_loss_epoch"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_engine_ran_its_own_steps(launches, name):
+    engine = "compiled" if name.endswith("compiled") else "eager"
+    for run in _ranks(launches, f"train/{name}"):
+        assert run["engines_used"] == {"train": engine, "eval": engine}
+        assert run["runtime_warnings"] == []  # no fallback, no recompile warning
+        if engine == "compiled":
+            # the forward breaks at FSDP2's hooks: several graphs, the blocks' compute among them
+            assert run["graphs_compiled"] >= 3
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_distributed_type_stays_fsdp_after_train(launches, name):
+    """accelerate's later ``AcceleratorState()`` calls copy the distributed type from the
+    process-wide PartialState; the FSDP2 switch on CPU processes is written there too."""
+    for run in _ranks(launches, f"train/{name}"):
+        assert run["distributed_type_at_start"] == run["distributed_type"] == "DistributedType.FSDP"
+        assert run["state_distributed_type"] == "DistributedType.FSDP"
+
+
+def test_a_later_trainer_without_the_plugin_is_not_sharded(launches):
+    for run in _ranks(launches, "later_trainer"):
+        assert run == {"distributed_type": "DistributedType.MULTI_CPU", "model_class": "DistributedDataParallel"}
+
+
+# ------------------------------------------------------------------------------------ evaluation
+@pytest.mark.parametrize("name", CASES)
+def test_eval_loss_is_the_mean_over_the_padded_eval_batches(launches, name):
+    """The forward all-gathers, so both processes run the same number of eval batches: 13
+    samples become 16 (the first three again). The reported loss is the mean of the final
+    model's per-sample losses over exactly the samples the processes evaluated."""
+    rank0, rank1 = _ranks(launches, f"train/{name}")
+    per_epoch = len(rank0["eval_indices"]) // 2
+    assert per_epoch == len(rank1["eval_indices"]) // 2 == 8
+    last = rank0["eval_indices"][per_epoch:] + rank1["eval_indices"][per_epoch:]
+    assert sorted(set(last)) == list(range(13)) and len(last) == 16
+    expected = rank0["eval_per_sample"][last].mean().item()
+    for run in (rank0, rank1):
+        assert run["eval_loss_epoch"][-1] == pytest.approx(expected, rel=1e-5)
+    exact = _reference(launches, name)["eval_per_sample"].mean().item()
+    assert _reference(launches, name)["eval_loss_epoch"][-1] == pytest.approx(exact, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ engines
+def test_cudagraph_engine_falls_back_to_compiled_once_saying_why(launches):
+    for run in _ranks(launches, "cudagraph"):
+        assert run["engines_used"] == {"train": "compiled", "eval": "compiled"}
+        assert len(run["warnings"]) == 1
+        assert "FSDP2 steps are not captured" in run["warnings"][0]
+        assert "falls back to the 'compiled' engine" in run["warnings"][0]
+
+
+# ------------------------------------------------------------------------------------ DDP options
+def test_ddp_kwargs_reach_ddp(launches):
+    reference = _reference(launches, "k1")
+    for run in _ranks(launches, "ddp_kwargs"):
+        assert (run["model_class"], run["static_graph"], run["gradient_as_bucket_view"]) == (
+            "DistributedDataParallel", True, True
+        )
+        for key, value in run["weights"].items():
+            torch.testing.assert_close(value, reference["weights"][key], rtol=RTOL, atol=ATOL, msg=key)
+        assert "static_graph=True) cannot train with gradient_accumulation_steps=2" in run["accumulation_error"]
+
+
+# ------------------------------------------------------------------------------------ collectives
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_ddp_all_reduces_the_gradients_once_per_update(launches, k):
+    for run in _ranks(launches, f"comm/ddp/k{k}"):
+        assert run["updates"] == 4 // k and run["micro_steps"] == 4
+        # one bucket (a small model): one all-reduce of every gradient per update
+        assert run["calls"]["allreduce"] == run["updates"]
+        assert run["bytes"]["allreduce"] == run["updates"] * run["parameter_bytes"]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_fsdp2_gathers_per_micro_step_and_reduce_scatters_per_update(launches, k):
+    for run in _ranks(launches, f"comm/fsdp2/k{k}"):
+        groups = run["fsdp_groups"]  # the two blocks and the root
+        assert groups == 3 and run["updates"] == 4 // k and run["micro_steps"] == 4
+        assert "allreduce" not in run["calls"]  # no clipping here: nothing else is reduced
+        # gradient sync is off on the micro-steps that do not update: one reduce-scatter per
+        # group and update, of the group's whole (padded) gradient
+        assert run["calls"]["_reduce_scatter_base"] == groups * run["updates"]
+        assert run["bytes"]["_reduce_scatter_base"] == run["updates"] * 872  # 836 bytes + row padding
+        # every micro-step: each group gathered for the forward, the blocks again for the
+        # backward (the root is not resharded after its forward); each process sends its half
+        assert run["calls"]["_allgather_base"] == run["micro_steps"] * (2 * groups - 1)
+        assert run["bytes"]["_allgather_base"] == run["micro_steps"] * (872 + 576) // 2
+
+
+# ------------------------------------------------------------------------------------ launch
+def test_a_launch_accelerate_did_not_recognise_fails_in_every_process(launches):
+    code, log = launches["bad_launch"]
+    assert code != 0, log[-3000:]
+    assert log.count("REFUSED: WORLD_SIZE=2") == 2, log[-3000:]
+    assert "ACCELERATE_USE_CPU=1" in log and "accelerate launch --cpu" in log
+    assert "ACCEPTED" not in log
+
+
+def test_example_trains_sharded(launches):
+    for run in _ranks(launches, "example"):
+        assert run["distributed_type"] == "DistributedType.FSDP"
+        assert run["num_updates"] == 8  # 128 samples, batch 8 x 2 processes x 2 micro-steps, 2 epochs
+        assert run["eval_loss_epoch"][-1] < run["eval_loss_epoch"][0]
+    rank0, rank1 = _ranks(launches, "example")
+    assert rank0["eval_loss_epoch"] == rank1["eval_loss_epoch"]
