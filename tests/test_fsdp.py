@@ -1,10 +1,11 @@
 """FSDP2 on two gloo processes against one process at twice the batch; a bad launch.
 
-Three launches run at the same time, once for the module: ``torchrun --nproc_per_node 2`` of
+Launches run side by side, once for the module: ``torchrun --nproc_per_node 2`` of
 ``tests/dist/fsdp_worker.py`` with ``ACCELERATE_USE_CPU=1`` (FSDP2 through accelerate's own
-preparation, as on GPUs), one plain process of it (the references), and ``torchrun
---nproc_per_node 2`` without ``ACCELERATE_USE_CPU`` and without GPUs, which accelerate takes
-for one process in each: that launch must fail in both processes, quickly.
+preparation, as on GPUs), one plain process of it (the references), and meanwhile two short ones:
+``torchrun --nproc_per_node 2`` without ``ACCELERATE_USE_CPU`` and without GPUs, which accelerate
+takes for one process in each (that launch must fail in both processes, quickly), then
+``accelerate launch --config_file`` with an FSDP2 configuration.
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ BAD_LAUNCH_TIMEOUT_S = 90
 RTOL, ATOL = 1e-5, 1e-6
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 CASES = ("k1", "k2", "k2_compiled")
+# what docs/distributed.md shows, for two processes
+FSDP2_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+mixed_precision: 'no'
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: Block
+  fsdp_reshard_after_forward: true
+"""
 
 
 def _free_port() -> int:
@@ -81,13 +95,24 @@ def launches(tmp_path_factory):
     bad = _start(_torchrun("--bad-launch"), out / "bad_launch.log", bad_env)
     bad_code = _wait(bad, out / "bad_launch.log", start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
     bad_log = (out / "bad_launch.log").read_text(errors="replace")
+    (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
+    config_launch = _start(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "fsdp2.yaml"),
+         "--main_process_port", str(_free_port()), str(WORKER), "--config-file-launch", str(out)],
+        out / "config_file_launch.log",
+        cpu_env,
+    )
     deadline = start + LAUNCH_TIMEOUT_S
+    _succeed(config_launch, out / "config_file_launch.log", deadline, "accelerate launch --config_file fsdp2.yaml")
     _succeed(single, out / "one_process.log", deadline, "the single-process reference")
     _succeed(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2 (FSDP2)")
     loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("rank0_world2", "rank1_world2", "rank0_world1")}
     print(f"\nFSDP launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))
     loaded["bad_launch"] = (bad_code, bad_log)
+    loaded["config_file_launch"] = [
+        torch.load(out / f"config_launch_rank{rank}.pt", weights_only=False) for rank in (0, 1)
+    ]
     return loaded
 
 
@@ -209,6 +234,13 @@ def test_a_launch_accelerate_did_not_recognise_fails_in_every_process(launches):
     assert log.count("REFUSED: WORLD_SIZE=2") == 2, log[-3000:]
     assert "ACCELERATE_USE_CPU=1" in log and "accelerate launch --cpu" in log
     assert "ACCEPTED" not in log
+
+
+def test_an_fsdp2_config_file_shards_each_block(launches):
+    for run in launches["config_file_launch"]:
+        assert run["world"] == 2 and run["distributed_type"] == "DistributedType.FSDP"
+        assert run["sharded_modules"] == ["FSDPBlock", "FSDPBlock", "FSDPNet"]
+        assert run["num_updates"] == 4
 
 
 def test_example_trains_sharded(launches):

@@ -358,9 +358,27 @@ def bad_launch() -> None:
     print("ACCEPTED", flush=True)
 
 
+def config_file_launch(out_dir: Path) -> None:
+    """Under ``accelerate launch --config_file`` with an FSDP2 config: a Trainer given no plugin
+    follows the launcher's environment."""
+    model = make_model()
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=LR), callbacks=None, engine="eager")
+    trainer.train(regression_data(N_TRAIN, 1), num_epochs=1, per_device_batch_size=4, train_dataloader_kwargs=LOADER)
+    result = {
+        "world": trainer.run_config.num_processes,
+        "distributed_type": str(trainer._accelerator.distributed_type),
+        "sharded_modules": sorted(type(m).__name__ for m in trainer.model.modules() if type(m).__name__.startswith("FSDP")),
+        "num_updates": trainer.num_updates,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out_dir / f"config_launch_rank{os.environ.get('RANK', '0')}.pt")
+
+
 def main(argv):
     if argv[0] == "--bad-launch":
         return bad_launch()
+    if argv[0] == "--config-file-launch":
+        return config_file_launch(Path(argv[1]))
     out_dir = Path(argv[0])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
