@@ -36,7 +36,7 @@ _FSDP_VERSION = "FSDP_VERSION"
 USE_FSDP2 = (
     "use FSDP2: Trainer(accelerator_kwargs={'fsdp_plugin': FullyShardedDataParallelPlugin("
     "fsdp_version=2, ...)}), or 'fsdp_version: 2' under fsdp_config in the accelerate config file "
-    "(FSDP_VERSION=2 in the environment of a torchrun launch)"
+    "(ACCELERATE_USE_FSDP=true with FSDP_VERSION=2 in the environment of a torchrun launch)"
 )
 
 

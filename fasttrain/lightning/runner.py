@@ -35,7 +35,8 @@ class ModuleRunner(FasttrainTrainer):
         if self.lt._args.strategy == "fsdp":
             from accelerate.utils import FullyShardedDataParallelPlugin
 
-            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin()
+            # FSDP2: the Trainer refuses FSDP1, accelerate's default version
+            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
         return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):

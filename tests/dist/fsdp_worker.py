@@ -154,6 +154,10 @@ class Recorder(TrainerCallback):
     def on_training_run_start(self, trainer, **kwargs):
         self.distributed_type_at_start = str(trainer._accelerator.distributed_type)
 
+    def on_train_epoch_start(self, trainer, **kwargs):
+        if trainer.run_history.current_epoch == 2:
+            self.graphs_before_epoch_2 = compiled_graphs()
+
     def on_train_step_start(self, trainer, **kwargs):
         if self.collectives is not None:
             self.collectives.active = True
@@ -216,6 +220,9 @@ def train_case(name: str, world: int) -> dict:
         "engines_used": engines_used(trainer),
         "runtime_warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
         "graphs_compiled": compiled_graphs() - graphs_before,
+        # every shape (full and last batches, synced and no-sync micro-steps, eval) is seen in
+        # the first epoch: nothing compiles again in the second
+        "graphs_compiled_in_epoch_2": compiled_graphs() - recorder.graphs_before_epoch_2,
         "model_class": type(trainer.model).__name__,
         "distributed_type": str(trainer._accelerator.distributed_type),
         "state_distributed_type": str(AcceleratorState().distributed_type),
