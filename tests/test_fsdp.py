@@ -137,6 +137,13 @@ def test_fsdp2_equals_one_process_at_twice_the_batch(launches, name):
         torch.testing.assert_close(run["train_loss_epoch"], reference["train_loss_epoch"], rtol=RTOL, atol=ATOL)
 
 
+def test_compiled_fsdp2_equals_eager_fsdp2(launches):
+    for compiled, eager in zip(_ranks(launches, "train/k2_compiled"), _ranks(launches, "train/k2")):
+        for key, value in compiled["weights"].items():
+            torch.testing.assert_close(value, eager["weights"][key], rtol=RTOL, atol=ATOL, msg=key)
+        torch.testing.assert_close(compiled["eval_loss_epoch"], eager["eval_loss_epoch"], rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_every_engine_ran_its_own_steps(launches, name):
     engine = "compiled" if name.endswith("compiled") else "eager"
