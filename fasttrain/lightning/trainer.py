@@ -321,13 +321,7 @@ class Trainer:
             self._hooks.module_hook("lr_scheduler_step", config.scheduler, monitor_value)
 
     def _manual_step(self, batch, batch_idx: int) -> dict:
-        runner = self._runner
-        module = self._module
-        state = module.__dict__  # skips nn.Module.__setattr__ on the hot path
-        state["_current_fx_name"] = "training_step"
-        with runner._autocast():
-            output = runner.model("training_step", batch, batch_idx)
-        state["_current_fx_name"] = None
+        output = self._runner.run_step("training_step", batch, batch_idx)
         if isinstance(output, torch.Tensor):
             return {"loss": output.detach()}
         if isinstance(output, dict):
