@@ -10,8 +10,6 @@ replaces the epoch loop (:meth:`ModuleRunner.train`) and calls the engine once p
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from accelerate import Accelerator
 
@@ -30,6 +28,8 @@ class ModuleRunner(FasttrainTrainer):
         self.window_start = True  # the micro-step opens an accumulation window
         #: ``self.log`` for the module's steps on the eager engine (see fast_log.py), else None
         self.step_log = None
+        #: no autocast around the steps (decided per run; accelerate's autocast is right either way)
+        self._full_precision = False
         super().__init__(StepModule(lightning_trainer.lightning_module), None, optimizer, callbacks=[], **options)
 
     # ------------------------------------------------------------------ setup
@@ -61,12 +61,14 @@ class ModuleRunner(FasttrainTrainer):
             per_device_batch_size=1, gradient_clip_value=None,
         )
         prepare.setup_engine(self, FasttrainTrainer)
-        self._choose_step_log()
+        self._decide_step_calls()
 
-    def _choose_step_log(self) -> None:
+    def _decide_step_calls(self) -> None:
+        """What calling a step method involves in this run, decided once (see :meth:`run_step`)."""
         # the compiled engines trace the step (and its self.log) once; only eager runs it per step
         eager = getattr(self._engine, "name", None) == "eager"
         self.step_log = step_logger(self.lt.lightning_module, self.lt) if eager else None
+        self._full_precision = self._accelerator.mixed_precision == "no"
 
     def train(
         self,
@@ -99,7 +101,7 @@ class ModuleRunner(FasttrainTrainer):
             collate_fn=None,
             resume_from=None,
         )
-        self._choose_step_log()
+        self._decide_step_calls()
         try:
             with signals.handle_interrupts(self):
                 run_fit(self.lt, self)
@@ -114,15 +116,16 @@ class ModuleRunner(FasttrainTrainer):
         state = self.lt.lightning_module.__dict__  # skips nn.Module.__setattr__ on the hot path
         state["_current_fx_name"] = name
         step_log = self.step_log
-        if step_log is None:
-            with self._autocast():
-                output = self.model(name, *args)
-        else:
+        if step_log is not None:
             state["log"] = step_log
-            try:
-                with self._autocast():
+        try:
+            if self._full_precision:
+                output = self.model(name, *args)
+            else:
+                with self._accelerator.autocast():
                     output = self.model(name, *args)
-            finally:
+        finally:
+            if step_log is not None:
                 state.pop("log", None)
         state["_current_fx_name"] = None
         return output
@@ -207,12 +210,6 @@ class ModuleRunner(FasttrainTrainer):
         if lt._eval_dataloader_idx is None:
             return self.run_step(lt._eval_step_name, batch, self.batch_idx)
         return self.run_step(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
-
-    def _autocast(self):
-        # accelerate's autocast() builds a context per call; without mixed precision there is none
-        if self._accelerator.mixed_precision == "no":
-            return contextlib.nullcontext()
-        return self._accelerator.autocast()
 
 
 class StepModule(torch.nn.Module):

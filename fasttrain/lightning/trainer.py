@@ -177,7 +177,9 @@ class Trainer:
     def _results(self):
         if self._active_eval_results is not None:
             return self._active_eval_results
-        return self._train_results if self.state.fn == TrainerFn.FITTING else None
+        fn = self.state.fn
+        # read by every self.log: the identity test spares the string comparison of the enum
+        return self._train_results if fn is TrainerFn.FITTING or fn == TrainerFn.FITTING else None
 
     @property
     def callback_metrics(self) -> dict:
