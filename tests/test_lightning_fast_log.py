@@ -96,9 +96,17 @@ def _run(make_log, fx, name, value, options):
             error = None
         except Exception as exc:  # noqa: BLE001 - the error itself is compared
             error = (type(exc), str(exc))
+    entries = _snapshot(store)
+    if isinstance(value, torch.Tensor):
+        # the store holds a copy: changing the logged tensor afterwards changes nothing there
+        with torch.no_grad():
+            value.add_(100)
+        assert _snapshot(store) == entries
+        with torch.no_grad():
+            value.sub_(100)
     return {
         "error": error,
-        "entries": _snapshot(store),
+        "entries": entries,
         "current_fx": trainer._logger_connector._current_fx,
         "warnings": [str(w.message) for w in caught],
     }

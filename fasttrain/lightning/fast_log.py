@@ -9,7 +9,7 @@ a step's Python time beside the model itself.
 :func:`step_logger` builds, once per fit, a ``log`` with the same arguments that does the same
 work with those facts decided once: for the common call (a plain tensor value in a step that may
 log, a known ``on_step``/``on_epoch``) it checks, converts (``clone().detach().squeeze()``) and
-files the value exactly as ``LightningModule.log`` does; every other call (numbers, torchmetrics
+files the value as ``LightningModule.log`` does; every other call (numbers, torchmetrics
 objects, a missing trainer or hook name, values that Lightning rejects, a warning to emit) goes to
 ``LightningModule.log`` itself, so errors and warnings are Lightning's own.
 
@@ -71,12 +71,15 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
             resolved = levels[key] = _FxValidator.check_logging_and_get_default_levels(
                 fx, on_step=on_step, on_epoch=on_epoch
             )
-        value = value.clone().detach()
-        if value.numel() != 1:
-            return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
-                            sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
-                            rank_zero_only)  # Lightning's error
-        value = value.squeeze()
+        # Lightning's clone().detach().squeeze(): the same fresh, detached one-element tensor;
+        # detaching first records no clone in the autograd graph, and a 0-dim value is final
+        value = value.detach().clone()
+        if value.dim():
+            if value.numel() != 1:
+                return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
+                                sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
+                                rank_zero_only)  # Lightning's error
+            value = value.squeeze()
         connector = trainer._logger_connector
         if connector.should_reset_tensors(fx):
             results.reset(metrics=False, fx=fx)
