@@ -87,3 +87,22 @@ def test_fit_hook_order_matches_lightning(path):
     assert len(fasttrain_calls) > 100
     assert fasttrain_calls == lightning_calls
     assert results[0].global_step == results[2].global_step == 6
+
+
+def test_on_train_batch_end_gets_lightnings_outputs():
+    """The loss divided by the accumulation steps, and the other entries of a returned dict."""
+    from lightning_modules import TinyGPT, token_data
+
+    seen = {"lightning": [], "fasttrain": []}
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen[type(trainer).__module__.split(".")[0]].append(
+                (batch_idx, sorted(outputs), float(outputs["loss"]), int(outputs["tokens"])))
+
+    fit_both(TinyGPT, lambda: loader(token_data(n=24), batch_size=4),
+             trainer_kwargs=dict(max_epochs=1, accumulate_grad_batches=2, callbacks=[Record()]))
+    assert len(seen["fasttrain"]) == len(seen["lightning"]) == 6
+    for (idx, keys, loss, tokens), (l_idx, l_keys, l_loss, l_tokens) in zip(seen["fasttrain"], seen["lightning"]):
+        assert (idx, keys, tokens) == (l_idx, l_keys, l_tokens) == (idx, ["loss", "tokens"], 32)
+        assert loss == pytest.approx(l_loss, rel=1e-5)

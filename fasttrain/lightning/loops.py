@@ -88,6 +88,12 @@ def run_fit(lt, runner) -> None:
     hooks("on_train_start")
     k = lt.accumulate_grad_batches
     max_steps = lt.max_steps
+    module = lt.lightning_module
+    # decided once per fit: what a batch needs beyond the engine's step
+    moves_batches = any(lt._batch_hooks.values()) or lt._device.type != "cpu"
+    batch_start_hooked = hooks.overridden("on_train_batch_start")
+    batch_end_hooked = hooks.overridden("on_train_batch_end")
+    schedulers = bool(lt.lr_scheduler_configs)
     while not _fit_done(lt):
         epoch = lt.current_epoch
         loader = lt._train_loader
@@ -111,14 +117,15 @@ def run_fit(lt, runner) -> None:
             if batch_idx < first:
                 continue  # a mid-epoch resume passes over the batches already trained on
             last = batch_idx + 1 == num_batches
-            batch = transfer(lt, batch)
+            if moves_batches:
+                batch = transfer(lt, batch)
             epoch_loop.batch_idx = runner.batch_idx = batch_idx
             epoch_loop.batch_progress.current.ready = batch_idx + 1
             epoch_loop.batch_progress.total.ready += 1
             epoch_loop.total_batch_idx = epoch_loop.batch_progress.total.ready - 1
             epoch_loop.batch_progress.is_last_batch = last
             results.start_batch(batch)
-            if hooks("on_train_batch_start", batch, batch_idx) == -1:
+            if batch_start_hooked and hooks("on_train_batch_start", batch, batch_idx) == -1:
                 # the rest of the epoch is skipped; Lightning still steps the schedulers as at
                 # an epoch's last batch
                 epoch_loop.batch_progress.is_last_batch = True
@@ -127,7 +134,7 @@ def run_fit(lt, runner) -> None:
                 break
             update = (batch_idx + 1) % k == 0 or last
             runner.window_start = batch_idx % k == 0
-            if lt.lightning_module.automatic_optimization:
+            if module.automatic_optimization:
                 if update and lt._module_steps:
                     batch_output = runner.closure_step(batch)
                 else:
@@ -137,19 +144,18 @@ def run_fit(lt, runner) -> None:
                 if update:
                     lt._global_step += 1
                     runner._num_updates += 1
-                output = batch_output["output"]
-                loss = batch_output["loss"].detach() / k if k > 1 else batch_output["loss"].detach()
-                outputs = {"loss": loss}
-                if isinstance(output, dict):
-                    outputs.update({key: value for key, value in output.items() if key != "loss"})
-                if update:
-                    lt._step_schedulers("step", batch_idx)
-                if last:
-                    lt._step_schedulers("epoch", batch_idx)
+                if batch_end_hooked:
+                    outputs = _batch_end_outputs(batch_output, k)
+                if schedulers:
+                    if update:
+                        lt._step_schedulers("step", batch_idx)
+                    if last:
+                        lt._step_schedulers("epoch", batch_idx)
             else:
                 outputs = lt._manual_step(batch, batch_idx)
                 update = True
-            hooks("on_train_batch_end", outputs, batch, batch_idx)
+            if batch_end_hooked:
+                hooks("on_train_batch_end", outputs, batch, batch_idx)
             if update and lt._logger_connector.flush_due():
                 lt._log_step_metrics()
                 progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
@@ -160,7 +166,8 @@ def run_fit(lt, runner) -> None:
                 run_evaluation(lt, runner, "validate")
                 lt.training = True
             if update:
-                lt._step_schedulers("step", batch_idx, plateau=True)
+                if schedulers:
+                    lt._step_schedulers("step", batch_idx, plateau=True)
                 epoch_loop._batches_that_stepped += 1
             if (max_steps != -1 and lt.global_step >= max_steps) or lt.should_stop:
                 break
@@ -180,6 +187,17 @@ def run_fit(lt, runner) -> None:
         state.epoch_progress.current.completed += 1
         progress.close()
     hooks("on_train_end")
+
+
+def _batch_end_outputs(batch_output: dict, k: int) -> dict:
+    """``on_train_batch_end``'s ``outputs``, as Lightning builds them: the detached loss divided
+    by the accumulation steps, and the other entries of a dict that ``training_step`` returned."""
+    loss = batch_output["loss"].detach()
+    outputs = {"loss": loss / k if k > 1 else loss}
+    output = batch_output["output"]
+    if isinstance(output, dict):
+        outputs.update({key: value for key, value in output.items() if key != "loss"})
+    return outputs
 
 
 def _fit_done(lt) -> bool:

@@ -28,11 +28,12 @@ class EpochProgress:
     def update(self, batches_done: int, pbar_metrics: dict) -> None:
         if self.bar is None:
             return
-        self.bar.update(batches_done - self.shown)
-        self.shown = batches_done
         if pbar_metrics:
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in to_host(pbar_metrics).items()}, refresh=False)
-        self.bar.refresh()
+        # tqdm redraws at most every ``mininterval`` (0.1 s): a forced redraw at every flush
+        # costs more than the flush; close() draws the final state
+        self.bar.update(batches_done - self.shown)
+        self.shown = batches_done
 
     def close(self) -> None:
         if self.bar is not None:

@@ -168,16 +168,16 @@ class ResultStore:
     def log(self, fx, name, value, prog_bar=False, logger=True, on_step=False, on_epoch=True, reduce_fx="mean",
             enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False, sync_dist_fn=None,
             sync_dist_group=None, metric_attribute=None, rank_zero_only=False) -> None:
-        args = (fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
-                batch_size, sync_dist, sync_dist_fn, sync_dist_group)
         if torch.compiler.is_compiling():
             # Inside a compiled step, only record the call: dynamo replays the append after the
             # graph with the logged tensors as graph outputs, and nothing here reads the store's
             # changing host state (counts, which keys exist), which would be guarded on and
             # recompile the step every time it changes. :meth:`drain` files the values eagerly.
-            self.pending.append(args)
+            self.pending.append((fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
+                                 add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group))
             return
-        self._log(*args)
+        self._log(fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
+                  batch_size, sync_dist, sync_dist_fn, sync_dist_group)
 
     def drain(self) -> None:
         """File the values recorded inside a compiled step."""

@@ -10,13 +10,12 @@ replaces the epoch loop (:meth:`ModuleRunner.train`) and calls the engine once p
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from accelerate import Accelerator
 
 from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
+from fasttrain.lightning.fast_log import step_logger
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -27,6 +26,10 @@ class ModuleRunner(FasttrainTrainer):
         self.lt = lightning_trainer
         self.batch_idx = 0
         self.window_start = True  # the micro-step opens an accumulation window
+        #: ``self.log`` for the module's steps on the eager engine (see fast_log.py), else None
+        self.step_log = None
+        #: no autocast around the steps (decided per run; accelerate's autocast is right either way)
+        self._full_precision = False
         super().__init__(StepModule(lightning_trainer.lightning_module), None, optimizer, callbacks=[], **options)
 
     # ------------------------------------------------------------------ setup
@@ -59,6 +62,14 @@ class ModuleRunner(FasttrainTrainer):
             per_device_batch_size=1, gradient_clip_value=None,
         )
         prepare.setup_engine(self, FasttrainTrainer)
+        self._decide_step_calls()
+
+    def _decide_step_calls(self) -> None:
+        """What calling a step method involves in this run, decided once (see :meth:`run_step`)."""
+        # the compiled engines trace the step (and its self.log) once; only eager runs it per step
+        eager = getattr(self._engine, "name", None) == "eager"
+        self.step_log = step_logger(self.lt.lightning_module, self.lt) if eager else None
+        self._full_precision = self._accelerator.mixed_precision == "no"
 
     def train(
         self,
@@ -91,6 +102,7 @@ class ModuleRunner(FasttrainTrainer):
             collate_fn=None,
             resume_from=None,
         )
+        self._decide_step_calls()
         try:
             with signals.handle_interrupts(self):
                 run_fit(self.lt, self)
@@ -98,12 +110,29 @@ class ModuleRunner(FasttrainTrainer):
             self._nonfinite.close()
 
     # ------------------------------------------------------------------ the step, as hooks
-    def calculate_train_batch_loss(self, batch) -> dict:
+    def run_step(self, name: str, *args):
+        """The module's step method ``name`` (through the prepared model, so DDP sees it as the
+        forward), with ``_current_fx_name`` set for ``self.log`` and, on the eager engine, the
+        fast ``self.log`` in place while it runs."""
         state = self.lt.lightning_module.__dict__  # skips nn.Module.__setattr__ on the hot path
-        state["_current_fx_name"] = "training_step"
-        with self._autocast():
-            output = self.model("training_step", batch, self.batch_idx)
+        state["_current_fx_name"] = name
+        step_log = self.step_log
+        if step_log is not None:
+            state["log"] = step_log
+        try:
+            if self._full_precision:
+                output = self.model(name, *args)
+            else:
+                with self._accelerator.autocast():
+                    output = self.model(name, *args)
+        finally:
+            if step_log is not None:
+                state.pop("log", None)
         state["_current_fx_name"] = None
+        return output
+
+    def calculate_train_batch_loss(self, batch) -> dict:
+        output = self.run_step("training_step", batch, self.batch_idx)
         if isinstance(output, torch.Tensor):
             loss = output
         elif isinstance(output, dict) and "loss" in output:
@@ -179,22 +208,9 @@ class ModuleRunner(FasttrainTrainer):
 
     def calculate_eval_batch_loss(self, batch) -> dict:
         lt = self.lt
-        state = lt.lightning_module.__dict__
-        name = lt._eval_step_name
-        state["_current_fx_name"] = name
-        with self._autocast():
-            if lt._eval_dataloader_idx is None:
-                output = self.model(name, batch, self.batch_idx)
-            else:
-                output = self.model(name, batch, self.batch_idx, lt._eval_dataloader_idx)
-        state["_current_fx_name"] = None
-        return output
-
-    def _autocast(self):
-        # accelerate's autocast() builds a context per call; without mixed precision there is none
-        if self._accelerator.mixed_precision == "no":
-            return contextlib.nullcontext()
-        return self._accelerator.autocast()
+        if lt._eval_dataloader_idx is None:
+            return self.run_step(lt._eval_step_name, batch, self.batch_idx)
+        return self.run_step(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
 
 
 class StepModule(torch.nn.Module):

@@ -177,7 +177,9 @@ class Trainer:
     def _results(self):
         if self._active_eval_results is not None:
             return self._active_eval_results
-        return self._train_results if self.state.fn == TrainerFn.FITTING else None
+        fn = self.state.fn
+        # read by every self.log: the identity test spares the string comparison of the enum
+        return self._train_results if fn is TrainerFn.FITTING or fn == TrainerFn.FITTING else None
 
     @property
     def callback_metrics(self) -> dict:
@@ -321,13 +323,7 @@ class Trainer:
             self._hooks.module_hook("lr_scheduler_step", config.scheduler, monitor_value)
 
     def _manual_step(self, batch, batch_idx: int) -> dict:
-        runner = self._runner
-        module = self._module
-        state = module.__dict__  # skips nn.Module.__setattr__ on the hot path
-        state["_current_fx_name"] = "training_step"
-        with runner._autocast():
-            output = runner.model("training_step", batch, batch_idx)
-        state["_current_fx_name"] = None
+        output = self._runner.run_step("training_step", batch, batch_idx)
         if isinstance(output, torch.Tensor):
             return {"loss": output.detach()}
         if isinstance(output, dict):

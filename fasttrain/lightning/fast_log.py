@@ -1,0 +1,115 @@
+"""``self.log`` inside an eager training or evaluation step, without the per-call re-checks.
+
+``LightningModule.log`` re-derives, on every call, facts that cannot change during a fit: it
+inspects ``training_step``'s signature for a ``dataloader_iter`` argument (``inspect`` builds a
+signature object each time), walks the value twice with ``apply_to_collection`` to reject nested
+dicts and wrong types, and looks up the hook's logging defaults. On a small model that is most of
+a step's Python time beside the model itself.
+
+:func:`step_logger` builds, once per fit, a ``log`` with the same arguments that does the same
+work with those facts decided once: for the common call (a plain tensor value in a step that may
+log, a known ``on_step``/``on_epoch``) it checks, converts (``clone().detach().squeeze()``) and
+files the value as ``LightningModule.log`` does; every other call (numbers, torchmetrics
+objects, a missing trainer or hook name, values that Lightning rejects, a warning to emit) goes to
+``LightningModule.log`` itself, so errors and warnings are Lightning's own.
+
+The loops put it in the module's ``__dict__`` only while a step method runs (instance attributes
+come before class attributes, so ``self.log`` finds it) and remove it afterwards; the module is
+left as it was outside the step. It is used on the eager engine only: the compiled engines trace
+the step once and never run ``log``'s Python per step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+_Tensor = torch.Tensor
+
+
+def _plain_level(value) -> bool:
+    # an explicit bool or None (a default): other values (1, a numpy bool) take Lightning's path
+    return value is None or value is True or value is False
+
+
+def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
+    """A ``log`` for ``module``'s steps under ``trainer``, or ``None`` when the module's class
+    defines its own ``log`` (which then runs as written)."""
+    if type(module).log is not LightningModule.log:
+        return None
+    original = LightningModule.log
+    state = module.__dict__
+    levels: dict = {}  # (hook, on_step, on_epoch) -> Lightning's validated (on_step, on_epoch)
+    dataloader_iter_step: list = []  # training_step takes ``dataloader_iter`` (decided once)
+
+    def log(name, value, prog_bar=False, logger=None, on_step=None, on_epoch=None, reduce_fx="mean",
+            enable_graph=False, sync_dist=False, sync_dist_group=None, add_dataloader_idx=True, batch_size=None,
+            metric_attribute=None, rank_zero_only=False):
+        fx = state.get("_current_fx_name")
+        results = trainer._results
+        if (
+            value.__class__ is not _Tensor
+            or fx is None
+            or results is None
+            or state.get("_trainer") is not trainer
+            or state.get("_fabric") is not None
+            or trainer.barebones
+            or not (_plain_level(on_step) and _plain_level(on_epoch))
+            or (add_dataloader_idx and "/dataloader_idx_" in name)
+            or (logger and trainer.logger is None)
+        ):
+            return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
+                            sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
+                            rank_zero_only)
+        key = (fx, on_step, on_epoch)
+        resolved = levels.get(key)
+        if resolved is None:
+            resolved = levels[key] = _FxValidator.check_logging_and_get_default_levels(
+                fx, on_step=on_step, on_epoch=on_epoch
+            )
+        # Lightning's clone().detach().squeeze(): the same fresh, detached one-element tensor;
+        # detaching first records no clone in the autograd graph, and a 0-dim value is final
+        value = value.detach().clone()
+        if value.dim():
+            if value.numel() != 1:
+                return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
+                                sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
+                                rank_zero_only)  # Lightning's error
+            value = value.squeeze()
+        connector = trainer._logger_connector
+        if connector.should_reset_tensors(fx):
+            results.reset(metrics=False, fx=fx)
+        if trainer.training and batch_size is None:
+            if not dataloader_iter_step:
+                dataloader_iter_step.append(
+                    is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+                )
+            if dataloader_iter_step[0]:
+                return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
+                                sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
+                                rank_zero_only)  # Lightning's error
+        results.log(
+            fx,
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=True if logger is None else logger,
+            on_step=resolved[0],
+            on_epoch=resolved[1],
+            reduce_fx=reduce_fx,
+            enable_graph=enable_graph,
+            add_dataloader_idx=add_dataloader_idx,
+            batch_size=batch_size,
+            sync_dist=sync_dist and trainer._accelerator_connector.is_distributed,
+            sync_dist_fn=trainer.strategy.reduce,
+            sync_dist_group=sync_dist_group,
+            metric_attribute=metric_attribute,
+            rank_zero_only=rank_zero_only,
+        )
+        connector._current_fx = fx
+
+    return log
