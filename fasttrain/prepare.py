@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from accelerate.utils import DistributedType, set_seed
 
 from fasttrain import checkpointing, validation
@@ -46,11 +48,19 @@ def prepare_run(trainer) -> None:
         set_seed(trainer.seed, device_specific=True)
     acc = trainer._accelerator
     shard_dataloaders = acc.num_processes > 1 or acc.distributed_type != DistributedType.NO
-    components = [trainer.model, trainer.optimizer]
+    optimizer = trainer.optimizer
+    if optimizer is None and acc.is_fsdp2:
+        # accelerate's FSDP2 preparation refuses a model without an optimizer (it remaps the
+        # optimizer's parameters to the sharded ones); an evaluation-only run has none, so a
+        # stand-in that is never stepped (plain SGD keeps no state) takes its place
+        optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.0)
+    components = [trainer.model, optimizer]
     if shard_dataloaders:
         components += [dl for dl in (trainer._train_dataloader, trainer._eval_dataloader) if dl is not None]
     prepared = list(acc.prepare(*components))
-    trainer.model, trainer.optimizer = prepared[0], prepared[1]
+    trainer.model = prepared[0]
+    if trainer.optimizer is not None:
+        trainer.optimizer = prepared[1]
     if not shard_dataloaders:
         if trainer._train_dataloader is not None:
             trainer._train_dataloader = place_single_process(trainer._train_dataloader, acc.device)

@@ -1,6 +1,6 @@
-"""Two gloo processes with DDP (through accelerate) against one lightning.Trainer process: the
-two processes' batches of 4 together are the reference's batch of 8, so the weights, the step
-count and the process-averaged validation loss must agree."""
+"""Two gloo processes with DDP or FSDP2 (through accelerate) against one lightning.Trainer
+process: the two processes' batches of 4 together are the reference's batch of 8, so the weights,
+the step count and the process-averaged validation loss must agree."""
 
 import os
 import socket
@@ -29,11 +29,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_ddp_matches_one_lightning_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_match_one_lightning_process(tmp_path, strategy):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE / "lightning" / "ddp_worker.py"), str(tmp_path)]
+           "--master_port", str(_free_port()), str(HERE / "lightning" / "ddp_worker.py"), str(tmp_path), strategy]
     proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -46,6 +47,7 @@ def test_two_process_ddp_matches_one_lightning_process(tmp_path):
     trainer.fit(reference, loader(classification_data(), batch_size=8), loader(classification_data(n=16, seed=1), 8))
     for result in ranks:
         assert result["world_size"] == 2
+        assert result["sharded"] == (strategy == "fsdp")  # strategy="fsdp" really shards (FSDP2)
         assert result["global_step"] == trainer.global_step == 6
         ours = reference.__class__()
         ours.load_state_dict(result["state_dict"])

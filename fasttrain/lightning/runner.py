@@ -30,7 +30,7 @@ class ModuleRunner(FasttrainTrainer):
         self.step_log = None
         #: no autocast around the steps (decided per run; accelerate's autocast is right either way)
         self._full_precision = False
-        super().__init__(StepModule(lightning_trainer.lightning_module), None, optimizer, callbacks=[], **options)
+        super().__init__(step_module_for(lightning_trainer.lightning_module), None, optimizer, callbacks=[], **options)
 
     # ------------------------------------------------------------------ setup
     def _create_accelerator(self) -> Accelerator:
@@ -211,6 +211,22 @@ class ModuleRunner(FasttrainTrainer):
         if lt._eval_dataloader_idx is None:
             return self.run_step(lt._eval_step_name, batch, self.batch_idx)
         return self.run_step(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
+
+
+def step_module_for(module) -> "StepModule":
+    """The StepModule that runs ``module``'s steps. FSDP2 shards the prepared root in place (its
+    own parameters become shards of it), so a module sharded by ``fit()`` keeps that root for
+    ``validate``/``test``/``predict``: a new root around it cannot be sharded again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    step = module.__dict__.get("_fasttrain_step_module")
+    # (the parameters alone do not tell: FSDP2 may leave the root unsharded after a forward)
+    if not isinstance(step, FSDPModule):
+        step = StepModule(module)
+        # in the instance's __dict__, not registered as a submodule: the module's state_dict,
+        # children and hooks stay as the user wrote them
+        module.__dict__["_fasttrain_step_module"] = step
+    return step
 
 
 class StepModule(torch.nn.Module):

@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc_per_node 2``: fit a LightningModule with fasttrain.lightning's
 Trainer over two gloo processes (DDP through accelerate) and save what the test compares.
 
-Usage: ddp_worker.py OUT_DIR
+Usage: ddp_worker.py OUT_DIR [STRATEGY]   (STRATEGY: ddp, the default, or fsdp)
 """
 
 import sys
@@ -28,10 +28,15 @@ class SyncedClassifier(Classifier):
         self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
 
 
-def main(out: Path) -> None:
+def _full(value):
+    """A sharded (FSDP2) parameter gathered whole; anything else as it is."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def main(out: Path, strategy: str) -> None:
     torch.manual_seed(0)
     module = SyncedClassifier()
-    trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy="ddp", devices=2,
+    trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy=strategy, devices=2,
                       accelerator="cpu", **QUIET)
     # per process 4 samples a batch: the two processes together take the reference's batch of 8
     trainer.fit(module, loader(classification_data(), batch_size=4), loader(classification_data(n=16, seed=1), 4))
@@ -39,7 +44,8 @@ def main(out: Path) -> None:
     result = {
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
-        "state_dict": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "state_dict": {k: _full(v.detach()).clone() for k, v in module.state_dict().items()},
+        "sharded": any(hasattr(p, "full_tensor") for p in module.parameters()),
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "validated": validated,
     }
@@ -47,4 +53,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
