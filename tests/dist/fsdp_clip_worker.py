@@ -236,6 +236,7 @@ def main(argv):
         case = dict(case)
         record(f"train/{name}", train_case, world, case.pop("k"), **case)
     record("skip", train_case, world, nonfinite="skip", skip=True, gradient_clip_norm=0.05)
+    record("skip_value", train_case, world, nonfinite="skip", skip=True, gradient_clip_value=0.01)
     record("skip_fused", train_case, world, nonfinite="skip", skip=True, fused=True)
     if world > 1:
         record("norm/fsdp", norm_case, (2,))
