@@ -78,9 +78,9 @@ class CountCollectives(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------- the clipper on its own
-def _backward(model, rank):
+def _backward(model, rank, dtype=torch.float32):
     gen = torch.Generator().manual_seed(10 + rank)  # a different batch on each process
-    x = torch.randn(6, IN, generator=gen)
+    x = torch.randn(6, IN, generator=gen).to(dtype)
     model(x).square().mean().backward()
 
 
@@ -96,7 +96,7 @@ def _graph_recorder(graphs):
     return backend
 
 
-def norm_case(mesh_shape, clip_value=None, clip_norm=0.05, ignored=False, compiled=False) -> dict:
+def norm_case(mesh_shape, clip_value=None, clip_norm=0.05, ignored=False, compiled=False, dtype=torch.float32) -> dict:
     """Sharded gradients (FSDP2 over a 1-D mesh, or HSDP over (replicate, shard)) clipped by
     fasttrain's clipper, against torch's clip_grad_value_/clip_grad_norm_ applied to the full,
     unsharded gradients; and the collectives the clip made."""
@@ -104,7 +104,7 @@ def norm_case(mesh_shape, clip_value=None, clip_norm=0.05, ignored=False, compil
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
-    model = make_model()
+    model = make_model().to(dtype)
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     plain = {model[4].bias} if ignored else None  # FSDP leaves it a plain, unsynchronised tensor
@@ -116,18 +116,21 @@ def norm_case(mesh_shape, clip_value=None, clip_norm=0.05, ignored=False, compil
         _backward(model, rank)
         clip()  # traced and compiled here; the call below must reuse the graph
         model.zero_grad(set_to_none=True)
-    _backward(model, rank)
+    _backward(model, rank, dtype)
     if ignored:  # gradients FSDP ignores are the user's to synchronise: replicated here
         dist.all_reduce(model[4].bias.grad, op=dist.ReduceOp.AVG)
     before = full_grads(model)
-    # torch's clipping, in one process, on copies of the whole gradients
+    # torch's clipping, in one process, on copies of the whole gradients: by value in their
+    # dtype, by norm in fp32 (torch reduces bf16 gradients in bf16, fasttrain in fp32)
     params = {n: torch.nn.Parameter(torch.zeros_like(g)) for n, g in before.items()}
     for n, p in params.items():
         p.grad = before[n].clone()
     if clip_value is not None:
         torch.nn.utils.clip_grad_value_(params.values(), clip_value)
+    for p in params.values():
+        p.data, p.grad = p.data.float(), p.grad.float()
     ref_norm = torch.nn.utils.clip_grad_norm_(params.values(), clip_norm) if clip_norm else None
-    reference = {n: p.grad for n, p in params.items()}
+    reference = {n: p.grad.to(dtype) for n, p in params.items()}
     if compiled:  # (a dispatch mode would stop torch.compile: the graphs say it instead)
         norm = clip()
         counts = {"graphs": len(graphs), "collectives_in_graph": graphs[0] if graphs else None}
@@ -245,6 +248,7 @@ def main(argv):
         record("norm/value_only", norm_case, (2,), clip_value=0.02, clip_norm=None)
         record("norm/ignored", norm_case, (2,), ignored=True)
         record("norm/hsdp", norm_case, (2, 1))
+        record("norm/bf16", norm_case, (2,), clip_value=0.02, dtype=torch.bfloat16)
         record("norm/compiled", norm_case, (2,), clip_value=0.02, compiled=True)
         record("flag/check", flag_case, True)
         record("flag/value", flag_case, False)
