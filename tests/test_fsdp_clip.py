@@ -141,6 +141,17 @@ def test_flag_raised_on_every_process_when_one_shard_is_not_finite(results, case
     assert [run["found_inf"] for run in _ranks(results, f"flag/{case}")] == [1.0, 1.0]
 
 
+def test_layouts_one_all_reduce_cannot_serve_raise_a_clear_error(results):
+    layouts = results["rank0_world2"]["layouts"]
+    assert layouts["two_shard_dims"][0] == "raised" and "sharded over 2 mesh dimensions" in layouts["two_shard_dims"][1]
+    assert "one dimension (FSDP2's fully_shard, HSDP)" in layouts["two_shard_dims"][1]
+    assert layouts["partial"][0] == "raised" and "Partial" in layouts["partial"][1]
+    assert layouts["two_groups"][0] == "raised" and "different process groups" in layouts["two_groups"][1]
+    # replicated DTensors: every process holds the whole gradient (norm of ones(4) = 2)
+    assert layouts["replicated_only"] == ("accepted", pytest.approx(2.0))
+    assert layouts["deferred"][0] == "raised" and "mesh dimensions" in layouts["deferred"][1]
+
+
 # ------------------------------------------------------------------- training through the Trainer
 @pytest.mark.parametrize("name", list(W.TRAIN_CASES))
 def test_fsdp2_training_with_clipping_equals_one_process(results, name):

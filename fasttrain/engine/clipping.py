@@ -160,7 +160,16 @@ class GradientClipper:
         # that failed on the second update and recompiled it (inside a CUDA graph capture, even)
         self.found_inf: Optional[torch.Tensor] = flag_on_device_of(self.parameters)
         #: None unless some parameters are DTensors; decided once, here
-        self.sharding: Optional[ShardedGradients] = ShardedGradients.of(self.parameters)
+        self.sharding: Optional[ShardedGradients] = None
+        self._unsupported: Optional[ValueError] = None
+        try:
+            self.sharding = ShardedGradients.of(self.parameters)
+        except ValueError as error:
+            if self.enabled:
+                raise
+            # a layout one all-reduce cannot serve matters only when something asks for the
+            # gradients' norm or flag: with nonfinite="skip", at the first update
+            self._unsupported = error
 
     @property
     def always_communicates(self) -> bool:
@@ -176,6 +185,8 @@ class GradientClipper:
         value alone needs no communication when sharded)."""
         if self.sharding is not None:
             return self._clip_sharded(check_finite)
+        if self._unsupported is not None and check_finite:
+            raise self._unsupported
         from fasttrain import kernels
 
         grads = gradients_of(self.parameters)

@@ -165,6 +165,43 @@ def flag_case(check_only: bool) -> dict:
     return {"found_inf": clipper.found_inf.item()}
 
 
+def layout_errors_case() -> dict:
+    """Layouts one all-reduce cannot serve: the message each raises (None: accepted)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    flat = init_device_mesh("cpu", (2,))
+    square = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
+
+    def param(t):
+        p = torch.nn.Parameter(t)
+        p.grad = torch.ones_like(t)
+        return p
+
+    layouts = {
+        "two_shard_dims": [param(distribute_tensor(torch.ones(4, 2), square, [Shard(0), Shard(1)]))],
+        "partial": [param(DTensor.from_local(torch.ones(4), flat, [Partial()]))],
+        "two_groups": [param(distribute_tensor(torch.ones(4), flat, [Shard(0)])),
+                       param(distribute_tensor(torch.ones(4), square, [Replicate(), Shard(0)]))],
+        "replicated_only": [param(distribute_tensor(torch.ones(4), flat, [Replicate()]))],
+    }
+    out = {}
+    for name, params in layouts.items():
+        try:
+            clipper = GradientClipper(params, clip_norm=1.0)
+            out[name] = ("accepted", clipper.clip_norm and clipper().item())
+        except ValueError as error:
+            out[name] = ("raised", str(error))
+    # without clipping, set-up accepts any layout; checking the gradients raises the same error
+    clipper = GradientClipper(layouts["two_shard_dims"])
+    try:
+        clipper(check_finite=True)
+        out["deferred"] = ("accepted", None)
+    except ValueError as error:
+        out["deferred"] = ("raised", str(error))
+    return out
+
+
 # ------------------------------------------------------------------- training through the Trainer
 class Record(TrainerCallback):
     def __init__(self):
@@ -250,6 +287,7 @@ def main(argv):
         record("norm/hsdp", norm_case, (2, 1))
         record("norm/bf16", norm_case, (2,), clip_value=0.02, dtype=torch.bfloat16)
         record("norm/compiled", norm_case, (2,), clip_value=0.02, compiled=True)
+        record("layouts", layout_errors_case)
         record("flag/check", flag_case, True)
         record("flag/value", flag_case, False)
         record("count/clip", train_case, world, count=True, gradient_clip_norm=0.05)
