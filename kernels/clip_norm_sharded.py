@@ -222,8 +222,11 @@ def grad_sumsq_reference(grads: Sequence[Tensor]) -> Tensor:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    # one fp32 reduction per tensor (fp16/bf16 widened on the fly), then their sum
-    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads]).sum()
+    # torch's multi-tensor norm (one op for the list; fp16/bf16 reduced in fp32), squared back
+    narrow = [g for g in grads if g.dtype != torch.float64]
+    norms = list(torch._foreach_norm(narrow, 2, dtype=torch.float32)) if narrow else []
+    norms += [torch.linalg.vector_norm(g).float() for g in grads if g.dtype == torch.float64]
+    return torch.stack(norms).square().sum()
 
 
 def clip_grad_norm_from_sumsq_reference(

@@ -219,12 +219,14 @@ class GradientClipper:
             return None  # nobody reads the flag: no collective
         measure = self.clip_norm is not None or self.clip_value is None
         sums = sharding.global_sums(shards, whole, found_inf, with_sumsq=measure)
-        flagged = sums[-1] > 0
-        if measure:
-            flagged = flagged | ~torch.isfinite(sums[0])
-        found_inf.copy_(torch.where(flagged, 1.0, found_inf))
+        flagged = sums[-1] > 0  # some process's value kernel saw a non-finite element
         if self.clip_norm is None:
+            if measure:  # the check alone: a non-finite element makes the global sum non-finite
+                flagged = flagged | ~torch.isfinite(sums[0])
+            found_inf.copy_(torch.where(flagged, 1.0, found_inf))
             return None
+        found_inf.copy_(torch.where(flagged, 1.0, found_inf))
+        # raises found_inf itself when the global norm is not finite
         return kernels.clip_grad_norm_from_sumsq_(local, sums[0], self.clip_norm, found_inf=found_inf)
 
 
