@@ -114,28 +114,29 @@ class NonFiniteGuard:
 
     def clip(self, clipper) -> Optional[torch.Tensor]:
         """Clip (when ``clipper`` is enabled) and, for "skip", flag non-finite gradients in
-        ``found_inf`` and count them; returns the norm when clipping by norm. Device work only."""
+        ``found_inf`` and count them; returns the norm when clipping by norm. Device work only.
+
+        With sharded gradients (FSDP2) the flag is raised on every process when any process's
+        shards are not finite (the clipper's one all-reduce carries it), so that all skip the
+        same update."""
         enabled = clipper is not None and clipper.enabled
         if not self.checks_gradients:
             return clipper() if enabled else None
-        grads = gradients_of(clipper.parameters) if clipper is not None else []
-        if not grads:
-            if self.found_inf is not None:
-                self.found_inf.zero_()  # nothing to check: the last update's flag must not linger
-            return None
-        found_inf = self._buffers(grads[0].device)
-        found_inf.zero_()  # the kernels only ever raise the flag
-        if enabled:
-            if clipper.found_inf is not found_inf:
-                clipper.found_inf = found_inf
-            norm = clipper()
+        if clipper is not None and clipper.always_communicates:
+            # every process takes part in the collective, with gradients or without
+            device = clipper.found_inf.device
         else:
-            from fasttrain import kernels
-
-            # an infinite limit makes the scale exactly 1, so the kernel only measures the norm
-            # and raises found_inf; the gradients are left as they are
-            kernels.clip_grad_norm_(grads, math.inf, found_inf=found_inf)
-            norm = None
+            grads = gradients_of(clipper.parameters) if clipper is not None else []
+            if not grads:
+                if self.found_inf is not None:
+                    self.found_inf.zero_()  # nothing to check: the last update's flag must not linger
+                return None
+            device = grads[0].device
+        found_inf = self._buffers(device)
+        found_inf.zero_()  # the kernels only ever raise the flag
+        if clipper.found_inf is not found_inf:
+            clipper.found_inf = found_inf
+        norm = clipper(check_finite=True)
         self.pending_skips.add_(found_inf)
         return norm
 

@@ -14,6 +14,14 @@ from .clip_norm import (
     triton_available,
     triton_interpreted,
 )
+from .clip_norm_sharded import (
+    clip_grad_norm_from_sumsq_,
+    clip_grad_norm_from_sumsq_reference,
+    clip_grad_norm_from_sumsq_triton,
+    grad_sumsq,
+    grad_sumsq_reference,
+    grad_sumsq_triton,
+)
 from .clip_value import clip_grad_value_, clip_grad_value_reference, clip_grad_value_triton
 from .loss_accum import (
     LossCounters,
@@ -31,11 +39,17 @@ __all__ = [
     "accumulate_loss_reference",
     "accumulate_loss_triton",
     "clip_grad_norm_",
+    "clip_grad_norm_from_sumsq_",
+    "clip_grad_norm_from_sumsq_reference",
+    "clip_grad_norm_from_sumsq_triton",
     "clip_grad_norm_reference",
     "clip_grad_norm_triton",
     "clip_grad_value_",
     "clip_grad_value_reference",
     "clip_grad_value_triton",
+    "grad_sumsq",
+    "grad_sumsq_reference",
+    "grad_sumsq_triton",
     "hold_chunk_tables",
     "reset_counters_",
     "triton_available",
