@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from fasttrain import step_metrics
+from fasttrain import checkpoint_sharded, step_metrics
 from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches them from here)
     ResumePosition,
     begin_training,
@@ -150,9 +150,21 @@ def safe_load(path, map_location="cpu"):
 
 # ------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler, save_per_node):
-    checkpoint = {"model_state_dict": trainer.get_model(keep_torch_compile=False).state_dict()}
-    if save_optimizer:
-        checkpoint["optimizer_state_dict"] = trainer.optimizer.state_dict()
+    accelerator = trainer._accelerator
+    writer = accelerator.is_local_main_process if save_per_node else accelerator.is_main_process
+    if checkpoint_sharded.is_sharded(trainer):
+        # every process takes part in gathering the shards; the writers get the whole state
+        several_nodes = accelerator.num_processes > int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        model_state, optimizer_state = checkpoint_sharded.full_state_dicts(
+            trainer, with_optimizer=save_optimizer, writers_on_every_node=save_per_node and several_nodes
+        )
+        checkpoint = {"model_state_dict": model_state}
+        if save_optimizer:
+            checkpoint["optimizer_state_dict"] = optimizer_state
+    else:
+        checkpoint = {"model_state_dict": trainer.get_model(keep_torch_compile=False).state_dict()}
+        if save_optimizer:
+            checkpoint["optimizer_state_dict"] = trainer.optimizer.state_dict()
     if save_scheduler and trainer.scheduler is not None:
         if hasattr(trainer.scheduler, "state_dict"):
             checkpoint["scheduler_state_dict"] = trainer.scheduler.state_dict()
@@ -160,29 +172,40 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
             trainer.print("Warning: the scheduler has no state_dict(); it is not saved in the checkpoint.")
     if checkpoint_kwargs is not None:
         checkpoint.update(checkpoint_kwargs)
-    accelerator = trainer._accelerator
     accelerator.wait_for_everyone()
-    writer = accelerator.is_local_main_process if save_per_node else accelerator.is_main_process
     with _shared_failures(accelerator, f"Saving the checkpoint {save_path}"):
         if writer:
             atomic_save(checkpoint, save_path)
 
 
 def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
-    trainer._accelerator.wait_for_everyone()
-    checkpoint = safe_load(checkpoint_path)
-    if not isinstance(checkpoint, dict) or "model_state_dict" not in checkpoint:
-        raise CheckpointError(
-            f"{checkpoint_path} has no 'model_state_dict'; it was not written by save_checkpoint"
-        )
-    trainer.get_model(keep_torch_compile=False).load_state_dict(checkpoint["model_state_dict"])
-    if load_optimizer and "optimizer_state_dict" in checkpoint:
-        if trainer.optimizer is None:
-            raise ValueError(
-                "The checkpoint holds an optimizer state but the trainer has no optimizer; pass "
-                "one to the Trainer or call load_checkpoint(..., load_optimizer=False)."
+    accelerator = trainer._accelerator
+    accelerator.wait_for_everyone()
+    sharded = checkpoint_sharded.is_sharded(trainer)
+    # a sharded load is collective: a process that cannot read the file must not leave the
+    # others waiting in the broadcast
+    with _shared_failures(accelerator, f"Loading the checkpoint {checkpoint_path}") if sharded else contextlib.nullcontext():
+        checkpoint = safe_load(checkpoint_path)
+        if not isinstance(checkpoint, dict) or "model_state_dict" not in checkpoint:
+            raise CheckpointError(
+                f"{checkpoint_path} has no 'model_state_dict'; it was not written by save_checkpoint"
             )
-        trainer.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+    load_optimizer = load_optimizer and "optimizer_state_dict" in checkpoint
+    if load_optimizer and trainer.optimizer is None:
+        raise ValueError(
+            "The checkpoint holds an optimizer state but the trainer has no optimizer; pass "
+            "one to the Trainer or call load_checkpoint(..., load_optimizer=False)."
+        )
+    if sharded:
+        # a whole state, whichever number of processes wrote it: process 0's values are
+        # broadcast and every process keeps its shards
+        checkpoint_sharded.load_full_state_dicts(
+            trainer, checkpoint["model_state_dict"], checkpoint["optimizer_state_dict"] if load_optimizer else None
+        )
+    else:
+        trainer.get_model(keep_torch_compile=False).load_state_dict(checkpoint["model_state_dict"])
+        if load_optimizer:
+            trainer.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
     if load_scheduler and "scheduler_state_dict" in checkpoint:
         if trainer.scheduler is None:
             raise ValueError(
@@ -237,6 +260,15 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     rank = accelerator.process_index
     staging = output_dir.with_name(f".{output_dir.name}.staging")
     what = f"Saving the training state to {output_dir}"
+    sharded = checkpoint_sharded.is_sharded(trainer)
+    open_window = _open_accumulation_window(trainer)
+    if sharded and open_window:
+        raise CheckpointError(
+            f"Not saving the training state to {output_dir}: the model is sharded (FSDP2) and the "
+            "save falls inside a gradient accumulation window, whose partial gradients FSDP2 "
+            "keeps unsharded in its own buffers, out of reach of a checkpoint. Save at an "
+            "optimizer update: save_every_n_steps a multiple of gradient_accumulation_steps."
+        )
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             if staging.exists():
@@ -245,10 +277,25 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
 
     entries = {}
     model = trainer.get_model(keep_torch_compile=False)
+    sharded_metadata = None
+    if sharded:
+        # every process writes its own shards of the model and optimizer (DCP coordinates the
+        # writes and raises on every process when one fails) and hashes them for the manifest
+        with _shared_failures(accelerator, what):
+            sharded_metadata = checkpoint_sharded.save_sharded(trainer, staging)
+            shard_dir = staging / sharded_metadata["dir"]
+            own = {
+                f"{sharded_metadata['dir']}/{name}": _file_entry(shard_dir / name)
+                for name in checkpoint_sharded.shard_files_of(rank, shard_dir)
+            }
+        entries.update(_gather_entries(accelerator, own))
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
-            entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
-            entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
+            if not sharded:
+                entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
+            if not sharded or not sharded_metadata["optimizer_state"]:
+                # sharded: the parameter groups of an optimizer without state yet (nothing sharded)
+                entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
             if trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
                 entries["scheduler.pt"] = atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
             if accelerator.scaler is not None:
@@ -265,10 +312,12 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
                 "engine": trainer._engine.state_dict() if trainer._engine is not None else {},
                 "num_processes": accelerator.num_processes,
             }
+            if sharded_metadata is not None:
+                metadata["sharded"] = sharded_metadata
             if checkpoint_kwargs is not None:
                 metadata.update(checkpoint_kwargs)
             entries[_METADATA_FILE] = atomic_save(metadata, staging / _METADATA_FILE)
-        if _open_accumulation_window(trainer):
+        if open_window:
             # inside a window each process holds its own, not yet all-reduced, gradients
             grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
             atomic_save(grads, staging / f"grads_{rank}.pt")
@@ -280,7 +329,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             for path in sorted(staging.iterdir()):
-                if path.name not in entries and not path.name.startswith("."):
+                if path.name not in entries and not path.name.startswith(".") and path.is_file():
                     entries[path.name] = _file_entry(path)  # small per-process files
             manifest = {"format": "fasttrain-training-state", "version": STATE_VERSION, "files": entries}
             with open(staging / MANIFEST_FILE, "w") as f:
@@ -293,6 +342,16 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     return True
 
 
+def _gather_entries(accelerator, own: dict) -> dict:
+    """The manifest entries every process computed for the files it wrote, merged."""
+    if accelerator.num_processes == 1:
+        return dict(own)
+    gathered = [None] * accelerator.num_processes
+    # one exchange of a few names and digests per save
+    torch.distributed.all_gather_object(gathered, own)
+    return {name: entry for part in gathered for name, entry in part.items()}
+
+
 _STATE_FILE_NAMES = {"model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", _CALLBACKS_FILE, _METADATA_FILE, MANIFEST_FILE}
 
 
@@ -303,7 +362,9 @@ def _check_replaceable(output_dir: Path) -> None:
     foreign = sorted(
         p.name
         for p in output_dir.iterdir()
-        if p.name not in _STATE_FILE_NAMES and not re.fullmatch(r"(grads|rng_state)_\d+\.pt", p.name)
+        if p.name not in _STATE_FILE_NAMES
+        and not re.fullmatch(r"(grads|rng_state)_\d+\.pt", p.name)
+        and not (p.name == checkpoint_sharded.DCP_DIR and p.is_dir())
     )
     if foreign:
         raise ValueError(
@@ -355,7 +416,23 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
     """Check that ``input_dir`` is a complete training state: every file of its manifest is
     present with the recorded size (and SHA-256). Returns the manifest; raises
     :class:`CheckpointError` naming what is wrong."""
-    input_dir = Path(input_dir)
+    return _verify(Path(input_dir), lambda name: check_hashes)
+
+
+def _hashes_checked_here(accelerator):
+    """Which files' hashes this process checks when every process verifies a state: each its
+    own shards of a sharded state, the first process everything else, so that no process reads
+    all of a large sharded state."""
+    rank = accelerator.process_index
+
+    def check(name: str) -> bool:
+        owner = checkpoint_sharded.shard_owner(name)
+        return owner == rank if owner is not None else accelerator.is_main_process
+
+    return check
+
+
+def _verify(input_dir: Path, check_hash) -> dict:
     manifest_path = input_dir / MANIFEST_FILE
     if not input_dir.is_dir():
         raise CheckpointError(f"No training state at {input_dir} (not a directory)")
@@ -382,7 +459,7 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
         size = path.stat().st_size
         if size != entry["size"]:
             problems.append(f"{name} has {size} bytes, the manifest records {entry['size']} (truncated?)")
-        elif check_hashes and _file_entry(path)["sha256"] != entry["sha256"]:
+        elif check_hash(name) and _file_entry(path)["sha256"] != entry["sha256"]:
             problems.append(f"{name} does not match its SHA-256 in the manifest (corrupted)")
     if problems:
         raise CheckpointError(
@@ -441,9 +518,9 @@ def load_training_state(trainer, input_dir) -> dict:
     input_dir = _resolve_state_dir(Path(input_dir))
     accelerator = trainer._accelerator
     # every process checks that the files are complete; hashing them (reading every byte once
-    # more) is left to one process per run, as the files are shared
+    # more) is left to one process per file, as the files are shared
     with _shared_failures(accelerator, f"Loading the training state from {input_dir}"):
-        verify_training_state(input_dir, check_hashes=accelerator.is_main_process)
+        _verify(input_dir, _hashes_checked_here(accelerator))
         metadata = safe_load(input_dir / _METADATA_FILE)
     if metadata.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
         raise CheckpointError(
@@ -451,8 +528,22 @@ def load_training_state(trainer, input_dir) -> dict:
             f"{accelerator.num_processes}; resume with the same number of processes."
         )
     model = trainer.get_model(keep_torch_compile=False)
-    model.load_state_dict(safe_load(input_dir / "model.pt"))
-    trainer.optimizer.load_state_dict(safe_load(input_dir / "optimizer.pt"))
+    saved_sharded = metadata.get("sharded")
+    if checkpoint_sharded.is_sharded(trainer) != (saved_sharded is not None):
+        raise CheckpointError(
+            f"{input_dir} was saved by a run whose model was {'' if saved_sharded else 'not '}sharded "
+            f"and this run's model is {'not ' if saved_sharded else ''}sharded (FSDP2); resume with "
+            "the same distributed configuration. To carry the weights over to another one, "
+            "save_checkpoint() writes a whole model that load_checkpoint() reads in any set-up."
+        )
+    if saved_sharded is not None:
+        with _shared_failures(accelerator, f"Loading the training state from {input_dir}"):
+            checkpoint_sharded.load_sharded(trainer, input_dir, saved_sharded)
+        if not saved_sharded.get("optimizer_state"):
+            trainer.optimizer.load_state_dict(safe_load(input_dir / "optimizer.pt"))
+    else:
+        model.load_state_dict(safe_load(input_dir / "model.pt"))
+        trainer.optimizer.load_state_dict(safe_load(input_dir / "optimizer.pt"))
     if (input_dir / "scheduler.pt").exists():
         if trainer.scheduler is None:
             raise ValueError(
