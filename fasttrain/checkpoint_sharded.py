@@ -27,6 +27,12 @@ import torch
 
 DCP_DIR = "dcp"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+_PROCESS_FILE = re.compile(r"(?:grads|rng_state)_(\d+)\.pt")
+_WINDOW_REFUSED = (
+    "the save falls inside a gradient accumulation window of a sharded model whose partial "
+    "gradients {why}. Save at an optimizer update: save_every_n_steps a multiple of "
+    "gradient_accumulation_steps."
+)
 
 
 def _error(message: str):
@@ -212,11 +218,95 @@ def shard_files_of(rank: int, directory: Path) -> list:
     return names
 
 
-def shard_owner(name: str) -> Optional[int]:
-    """The process that wrote ``name`` (a path in a training state) when it is a DCP shard file."""
+# ------------------------------------------------------------------------------- open windows
+def _fsdp_params(model) -> list:
+    """``(name, FSDPParam)`` for every parameter FSDP2 manages. Between the micro-steps of an
+    accumulation window FSDP2 keeps each process's gradient sums unsharded (not yet
+    reduce-scattered) in these objects, which are torch internals: when this torch lays them out
+    differently a save inside a window is refused rather than written without them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = []
+    try:
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch releases with one parameter group per module
+                group = state._fsdp_param_group
+                groups = [] if group is None else [group]
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.unsharded_accumulated_grad  # noqa: B018  (present in every layout read here)
+                    found.append((names[id(fsdp_param.sharded_param)], fsdp_param))
+    except (AttributeError, KeyError) as e:
+        raise _error(_WINDOW_REFUSED.format(why=f"this torch's FSDP2 keeps where fasttrain cannot read them ({e})")) from e
+    return found
+
+
+def window_gradients(model) -> dict:
+    """The gradients this process holds inside an accumulation window: FSDP2's unsharded sums
+    (whole-parameter sized, this process's micro-steps only), the gradient shards of parameters
+    that have one, and the gradients of parameters FSDP2 does not manage."""
+    from torch.distributed.tensor import DTensor
+
+    unsharded = {}
+    for name, fsdp_param in _fsdp_params(model):
+        grad = fsdp_param.unsharded_accumulated_grad
+        if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+            grad = fsdp_param._unsharded_param.grad
+        if isinstance(grad, DTensor):
+            raise _error(_WINDOW_REFUSED.format(why="are themselves distributed (HSDP or tensor parallel)"))
+        if grad is not None:
+            unsharded[name] = grad
+    sharded, plain = {}, {}
+    for name, p in model.named_parameters():
+        if isinstance(p.grad, DTensor):
+            sharded[name] = p.grad.to_local()
+        elif p.grad is not None:
+            plain[name] = p.grad
+    return {"unsharded": unsharded, "sharded": sharded, "plain": plain}
+
+
+def restore_window_gradients(model, saved: Optional[dict]) -> None:
+    """Put back what :func:`window_gradients` returned (``None``: a state saved at an update,
+    no window open): FSDP2 adds the next micro-step's gradients to the restored sums, in the
+    same order as an uninterrupted run."""
+    from torch.distributed.tensor import DTensor
+
+    saved = saved or {}
+    unsharded = saved.get("unsharded", {})
+    for name, fsdp_param in _fsdp_params(model):
+        if hasattr(fsdp_param, "_unsharded_param"):
+            fsdp_param._unsharded_param.grad = None
+        grad = unsharded.get(name)
+        device = fsdp_param.sharded_param.device
+        fsdp_param.unsharded_accumulated_grad = None if grad is None else grad.to(device)
+    held = {**saved.get("sharded", {}), **saved.get("plain", {})}
+    for name, p in model.named_parameters():
+        value = held.get(name)
+        if value is None:
+            if p.grad is not None:
+                p.grad.zero_()  # engines with static gradient buffers keep them, zeroed
+        elif p.grad is not None:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).copy_(value)
+        elif isinstance(p, DTensor):
+            p.grad = DTensor.from_local(
+                value.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        else:
+            p.grad = value.to(device=p.device, dtype=p.dtype)
+
+
+# ------------------------------------------------------------------------------- file owners
+def file_owner(name: str) -> Optional[int]:
+    """The process that wrote ``name`` (a path in a training state) when one process wrote it
+    for itself: a DCP shard file, a gradients or a random state file."""
     folder, _, file_name = name.rpartition("/")
-    match = _SHARD_FILE.fullmatch(file_name)
-    return int(match.group(1)) if folder == DCP_DIR and match else None
+    match = _SHARD_FILE.fullmatch(file_name) if folder == DCP_DIR else _PROCESS_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def load_sharded(trainer, input_dir: Path, saved: dict) -> None:

@@ -262,13 +262,6 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     what = f"Saving the training state to {output_dir}"
     sharded = checkpoint_sharded.is_sharded(trainer)
     open_window = _open_accumulation_window(trainer)
-    if sharded and open_window:
-        raise CheckpointError(
-            f"Not saving the training state to {output_dir}: the model is sharded (FSDP2) and the "
-            "save falls inside a gradient accumulation window, whose partial gradients FSDP2 "
-            "keeps unsharded in its own buffers, out of reach of a checkpoint. Save at an "
-            "optimizer update: save_every_n_steps a multiple of gradient_accumulation_steps."
-        )
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             if staging.exists():
@@ -284,11 +277,10 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
         with _shared_failures(accelerator, what):
             sharded_metadata = checkpoint_sharded.save_sharded(trainer, staging)
             shard_dir = staging / sharded_metadata["dir"]
-            own = {
+            own_entries = {
                 f"{sharded_metadata['dir']}/{name}": _file_entry(shard_dir / name)
                 for name in checkpoint_sharded.shard_files_of(rank, shard_dir)
             }
-        entries.update(_gather_entries(accelerator, own))
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             if not sharded:
@@ -317,15 +309,22 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
             if checkpoint_kwargs is not None:
                 metadata.update(checkpoint_kwargs)
             entries[_METADATA_FILE] = atomic_save(metadata, staging / _METADATA_FILE)
+        own = {}
         if open_window:
             # inside a window each process holds its own, not yet all-reduced, gradients
-            grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-            atomic_save(grads, staging / f"grads_{rank}.pt")
+            if sharded:
+                grads = checkpoint_sharded.window_gradients(model)
+            else:
+                grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+            own[f"grads_{rank}.pt"] = atomic_save(grads, staging / f"grads_{rank}.pt")
         # every process has its own random streams
-        atomic_save(
+        own[f"rng_state_{rank}.pt"] = atomic_save(
             {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer._epoch_start_rng},
             staging / f"rng_state_{rank}.pt",
         )
+    if sharded:
+        # each process hashed the files it wrote, large ones included: process 0 reads none of them
+        entries.update(_gather_entries(accelerator, {**own_entries, **own}))
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             for path in sorted(staging.iterdir()):
@@ -420,13 +419,13 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
 
 
 def _hashes_checked_here(accelerator):
-    """Which files' hashes this process checks when every process verifies a state: each its
-    own shards of a sharded state, the first process everything else, so that no process reads
-    all of a large sharded state."""
+    """Which files' hashes this process checks when every process verifies a state: each the
+    files it wrote (shards of a sharded state, gradients, random states), the first process
+    everything else, so that no process reads all of a large sharded state."""
     rank = accelerator.process_index
 
     def check(name: str) -> bool:
-        owner = checkpoint_sharded.shard_owner(name)
+        owner = checkpoint_sharded.file_owner(name)
         return owner == rank if owner is not None else accelerator.is_main_process
 
     return check
@@ -553,7 +552,11 @@ def load_training_state(trainer, input_dir) -> dict:
         trainer.scheduler.load_state_dict(safe_load(input_dir / "scheduler.pt"))
     if (input_dir / "scaler.pt").exists() and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(safe_load(input_dir / "scaler.pt"))
-    _load_gradients(model, input_dir / f"grads_{accelerator.process_index}.pt")
+    grads_path = input_dir / f"grads_{accelerator.process_index}.pt"
+    if saved_sharded is not None:
+        checkpoint_sharded.restore_window_gradients(model, safe_load(grads_path) if grads_path.exists() else None)
+    else:
+        _load_gradients(model, grads_path)
     if (input_dir / _CALLBACKS_FILE).exists():
         saved = safe_load(input_dir / _CALLBACKS_FILE)
         for name, callback in _stateful_callbacks(trainer).items():

@@ -120,28 +120,52 @@ def test_a_sharded_run_writes_one_whole_checkpoint_that_one_process_loads_exactl
 
 
 # ------------------------------------------------------------------------------ DCP states
-@pytest.mark.parametrize("state", ["step_6", "step_12"])
-def test_resuming_a_sharded_training_state_equals_the_uninterrupted_run(run, state):
-    """Saved by SaveTrainingStateCallback every 6 batches (accumulation 2, shuffled data,
-    dropout, a warm-up and cosine schedule): mid-epoch 1 and mid-epoch 2."""
+@pytest.mark.parametrize("mode", ["no_sync", "every_micro_step"])
+@pytest.mark.parametrize("state", ["step_4", "step_8", "step_12"])
+def test_resuming_a_sharded_training_state_equals_the_uninterrupted_run(run, state, mode):
+    """Saved by SaveTrainingStateCallback every 4 batches (accumulation 3, shuffled data,
+    dropout, a warm-up and cosine schedule): inside a window of epoch 1 and of epoch 2, and
+    after the last batch of epoch 1; with FSDP2's gradient reduction once per update
+    (``no_sync``) and at every micro-step."""
     for rank in run.ranks:
-        uninterrupted, resumed = rank["uninterrupted"], rank[f"resumed_{state}"]
-        assert resumed["sharded"] and resumed["num_updates"] == uninterrupted["num_updates"] == 8
+        uninterrupted, resumed = rank[f"{mode}/uninterrupted"], rank[f"{mode}/resumed_{state}"]
+        assert resumed["sharded"] and resumed["num_updates"] == uninterrupted["num_updates"] == 6
         assert resumed["lr"] == uninterrupted["lr"]
         _assert_same_state(resumed, uninterrupted)
 
 
 def test_a_sharded_training_state_lists_every_shard_in_its_manifest(run):
-    state = run.out / "states" / "step_6"
+    state = run.out / "states_no_sync" / "step_4"
     files = json.loads((state / "manifest.json").read_text())["files"]
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng_state_0.pt", "rng_state_1.pt"} <= set(files)
     assert "model.pt" not in files and "optimizer.pt" not in files  # the shards hold them
     assert checkpointing.verify_training_state(state)["files"] == files
     metadata = torch.load(state / "trainer_state.pt", weights_only=True)
     assert metadata["sharded"] == {"format": "torch.distributed.checkpoint", "dir": "dcp", "optimizer_state": True}
-    assert (metadata["current_epoch"], metadata["phase"], metadata["step_in_epoch"]) == (1, "mid_epoch", 6)
+    assert (metadata["current_epoch"], metadata["phase"], metadata["step_in_epoch"]) == (1, "mid_epoch", 4)
     # no staging folder is left beside the states
-    assert sorted(p.name for p in (run.out / "states").iterdir()) == ["step_12", "step_6"]
+    assert sorted(p.name for p in (run.out / "states_no_sync").iterdir()) == ["step_12", "step_16", "step_4", "step_8"]
+
+
+def test_a_state_inside_an_accumulation_window_holds_each_process_s_gradients(run):
+    """With no_sync FSDP2 keeps the gradients of a window unsharded and not yet reduce-scattered:
+    each process's file holds whole-parameter sums of its own micro-steps, which differ. Reduced
+    at every micro-step, they are the processes' gradient shards."""
+    whole = {"0.weight": (16, 8), "0.bias": (16,), "3.weight": (4, 16), "3.bias": (4,)}
+    halves = {"0.weight": (8, 8), "0.bias": (8,), "3.weight": (2, 16), "3.bias": (2,)}
+    for mode, unsharded, sharded in (("no_sync", whole, {}), ("every_micro_step", {}, halves)):
+        inside = run.out / f"states_{mode}" / "step_4"
+        grads = [torch.load(inside / f"grads_{r}.pt", weights_only=True) for r in (0, 1)]
+        for g in grads:
+            assert {k: tuple(v.shape) for k, v in g["unsharded"].items()} == unsharded, mode
+            assert {k: tuple(v.shape) for k, v in g["sharded"].items()} == sharded, mode
+            assert g["plain"] == {}
+        part = "unsharded" if unsharded else "sharded"
+        assert not torch.equal(grads[0][part]["0.weight"], grads[1][part]["0.weight"])
+        files = json.loads((inside / "manifest.json").read_text())["files"]
+        assert {"grads_0.pt", "grads_1.pt"} <= set(files)
+        # at the end of an epoch the last update has applied every gradient
+        assert not any(name.startswith("grads_") for name in os.listdir(run.out / f"states_{mode}" / "step_8"))
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -154,7 +178,7 @@ def test_a_damaged_sharded_state_is_refused_on_every_process(run, damage):
         assert "failed on another process" in errors[0]["message"]
     # a refused load changes nothing
     for rank in run.ranks:
-        _assert_same_state(rank["after_refusals"], rank["uninterrupted"])
+        _assert_same_state(rank["after_refusals"], rank["every_micro_step/uninterrupted"])
 
 
 def test_a_damaged_state_is_skipped_by_find_latest(run):
@@ -163,18 +187,10 @@ def test_a_damaged_state_is_skipped_by_find_latest(run):
             checkpointing.verify_training_state(run.out / damage)
 
 
-def test_a_save_inside_an_accumulation_window_is_refused_under_fsdp2(run):
-    for rank in run.ranks:
-        error = rank["inside_window"]
-        assert error["type"] == "CheckpointError"
-        assert "gradient_accumulation_steps" in error["message"]
-        assert error["written"] == []
-
-
 def test_a_sharded_state_is_not_loaded_by_another_number_of_processes(run):
     trainer = worker.make_trainer(seed=5, sharded=False)
     with pytest.raises(checkpointing.CheckpointError, match="saved by 2 processes"):
-        trainer.load_training_state(str(run.out / "states" / "step_6"))
+        trainer.load_training_state(str(run.out / "states_no_sync" / "step_4"))
 
 
 # ------------------------------------------------------------------------------ refusals

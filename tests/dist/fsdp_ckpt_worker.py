@@ -10,6 +10,7 @@ One launch runs every scenario: starting the processes is the slow part.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -17,15 +18,16 @@ import traceback
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
-from fasttrain.callbacks import SaveTrainingStateCallback, TrainerCallback
+from fasttrain.callbacks import SaveTrainingStateCallback
 from fasttrain.schedulers import CosineLrScheduler
 
-NUM_SAMPLES, PER_DEVICE_BATCH, ACCUMULATION = 64, 4, 2
+NUM_SAMPLES, PER_DEVICE_BATCH, ACCUMULATION = 64, 4, 3
 
 
 def dataset() -> TensorDataset:
@@ -58,6 +60,34 @@ def train(trainer: Trainer, num_epochs: int, resume_from=None) -> None:
     )
 
 
+@contextlib.contextmanager
+def _fsdp2_no_sync(accelerator, model):
+    # what accelerate's no_sync does when its state says FSDP2
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def _sync_every_micro_step(accelerator, model):
+    yield
+
+
+GRADIENT_SYNC = {"no_sync": _fsdp2_no_sync, "every_micro_step": _sync_every_micro_step}
+
+
+@contextlib.contextmanager
+def patched(owner, name, value):
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
 def _whole(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
@@ -88,18 +118,6 @@ def error_of(fn) -> dict:
     return {"type": None, "message": ""}
 
 
-class SaveInsideWindow(TrainerCallback):
-    """Tries to save a training state after the first micro-step of an accumulation window."""
-
-    def __init__(self, output_dir: Path):
-        self.output_dir = output_dir
-        self.error = None
-
-    def on_train_step_end(self, trainer, step, **kwargs):
-        if self.error is None:
-            self.error = error_of(lambda: trainer.save_training_state(str(self.output_dir)))
-
-
 def _flip_last_byte(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
@@ -125,15 +143,22 @@ def main(out: Path) -> None:
     trainer.save_checkpoint(str(out / "from_fsdp.pt"))
     results["saved_full"] = snapshot(trainer)
 
-    # step-exact resume from sharded training states (DCP), mid-epoch and in the second epoch
-    states = out / "states"
-    trainer = make_trainer(seed=13, callbacks=[SaveTrainingStateCallback(str(states), save_every_n_steps=6, save_at_end=False)])
-    train(trainer, num_epochs=2)
-    results["uninterrupted"] = snapshot(trainer)
-    for name in ("step_6", "step_12"):
-        resumed = make_trainer(seed=14)
-        train(resumed, num_epochs=2, resume_from=str(states / name))
-        results[f"resumed_{name}"] = snapshot(resumed)
+    # step-exact resume from sharded training states (DCP). 8 batches per epoch and process in
+    # windows of 3: states after batch 4 and 12 are inside a window, the one after batch 8 at the
+    # end of epoch 1. Inside a window FSDP2 holds the gradients unsharded (no_sync: one
+    # reduce-scatter per update) or, reduce-scattered at every micro-step, as shards
+    for mode, no_sync in GRADIENT_SYNC.items():
+        states = out / f"states_{mode}"
+        with patched(Accelerator, "no_sync", no_sync):
+            trainer = make_trainer(
+                seed=13, callbacks=[SaveTrainingStateCallback(str(states), save_every_n_steps=4, save_at_end=False)]
+            )
+            train(trainer, num_epochs=2)
+            results[f"{mode}/uninterrupted"] = snapshot(trainer)
+            for name in ("step_4", "step_8", "step_12"):
+                resumed = make_trainer(seed=14)
+                train(resumed, num_epochs=2, resume_from=str(states / name))
+                results[f"{mode}/resumed_{name}"] = snapshot(resumed)
 
     # damaged sharded states are refused on every process
     damaged = {
@@ -145,18 +170,11 @@ def main(out: Path) -> None:
     }
     for name, damage in damaged.items():
         if rank == 0:
-            shutil.copytree(states / "step_6", out / name)
+            shutil.copytree(out / "states_no_sync" / "step_4", out / name)
             damage(out / name)
         barrier()
         results[f"refused/{name}"] = error_of(lambda: trainer.load_training_state(str(out / name)))
     results["after_refusals"] = snapshot(trainer)
-
-    # a save inside an accumulation window is refused, and leaves nothing behind
-    inside = SaveInsideWindow(out / "inside_window")
-    trainer = make_trainer(seed=15, callbacks=[inside])
-    train(trainer, num_epochs=1)
-    barrier()
-    results["inside_window"] = {**inside.error, "written": sorted(p.name for p in out.iterdir() if "inside_window" in p.name)}
 
     torch.save(results, out / f"rank{rank}.pt")
 
