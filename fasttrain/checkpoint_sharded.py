@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from fasttrain.checkpoint_files import CheckpointError
+
 DCP_DIR = "dcp"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 _PROCESS_FILE = re.compile(r"(?:grads|rng_state)_(\d+)\.pt")
@@ -35,9 +37,7 @@ _WINDOW_REFUSED = (
 )
 
 
-def _error(message: str):
-    from fasttrain.checkpointing import CheckpointError  # defined there; imported late (cycle)
-
+def _error(message: str) -> CheckpointError:
     return CheckpointError(message)
 
 

@@ -15,20 +15,19 @@ Two formats, as in pytorch-accelerated:
 Every file is written to a temporary name and renamed into place, and a training state directory
 is assembled under a temporary name and swapped in whole, so an exception or a kill during a save
 never replaces a good checkpoint with a broken one. Files are loaded with ``weights_only=True``: a
-file carrying arbitrary pickled objects is refused. The resume machinery (positions, replaying an
-epoch's shuffle) lives in :mod:`fasttrain.resume`.
+file carrying arbitrary pickled objects is refused (:mod:`fasttrain.checkpoint_files`). A
+checkpoint path ending in ``.safetensors`` holds the model's weights only. Sharded (FSDP2) models
+go through ``torch.distributed.checkpoint`` (:mod:`fasttrain.checkpoint_sharded`). The resume
+machinery (positions, replaying an epoch's shuffle) lives in :mod:`fasttrain.resume`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -36,6 +35,16 @@ from typing import Optional
 import torch
 
 from fasttrain import checkpoint_sharded, step_metrics
+from fasttrain.checkpoint_files import (  # noqa: F401  (re-exported: part of this module's API)
+    CheckpointError,
+    CheckpointNotFoundError,
+    atomic_save,
+    is_safetensors,
+    load_safetensors,
+    safe_load,
+    save_safetensors,
+)
+from fasttrain.checkpoint_files import file_entry as _file_entry
 from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches them from here)
     ResumePosition,
     begin_training,
@@ -51,7 +60,6 @@ STATE_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 _METADATA_FILE = "trainer_state.pt"
 _CALLBACKS_FILE = "callbacks.pt"
-_HASH_CHUNK = 1 << 20
 
 __all__ = [
     "CheckpointError",
@@ -69,89 +77,14 @@ __all__ = [
 ]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint or training state cannot be read (missing, truncated, corrupt or unsafe)."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No file at the checkpoint path (also a ``FileNotFoundError``, as it always was)."""
-
-
-# ------------------------------------------------------------------------------- file helpers
-class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through it, so a file's
-    SHA-256 comes from the bytes as written, without reading the file back."""
-
-    def __init__(self, file):
-        self._file = file
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        return self._file.write(data)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-
-def atomic_save(obj, path) -> dict:
-    """``torch.save`` to ``path`` through a temporary file in the same directory, an ``fsync`` and
-    a rename, so ``path`` holds either its old content or the complete new one. Returns the
-    file's manifest entry (``size`` and ``sha256``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # KeyboardInterrupt included: the partial file must never be mistaken for a checkpoint
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
-
-
-def _file_entry(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def safe_load(path, map_location="cpu"):
-    """``torch.load`` with ``weights_only=True`` and errors that say what went wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"No checkpoint at {path}")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"Refusing to load {path}: it contains objects other than tensors and plain Python "
-            "values (numbers, strings, lists, dicts), and unpickling them could run arbitrary "
-            "code. If you trust the file, load it yourself with torch.load(..., "
-            f"weights_only=False) and pass the state dicts on. Details: {e}"
-        ) from e
-    except Exception as e:
-        # torch's zip reader fails in many ways on a cut or damaged file (RuntimeError,
-        # EOFError, OSError "Invalid argument", ValueError, KeyError ...): each means the same
-        raise CheckpointError(
-            f"{path} is not a readable checkpoint (truncated or corrupt?): {type(e).__name__}: {e}"
-        ) from e
-
-
 # ------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler, save_per_node):
     accelerator = trainer._accelerator
     writer = accelerator.is_local_main_process if save_per_node else accelerator.is_main_process
+    weights_only = is_safetensors(save_path)
+    if weights_only:
+        _check_weights_only(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler)
+        save_optimizer = save_scheduler = False
     if checkpoint_sharded.is_sharded(trainer):
         # every process takes part in gathering the shards; the writers get the whole state
         several_nodes = accelerator.num_processes > int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
@@ -175,7 +108,26 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
     accelerator.wait_for_everyone()
     with _shared_failures(accelerator, f"Saving the checkpoint {save_path}"):
         if writer:
-            atomic_save(checkpoint, save_path)
+            if weights_only:
+                save_safetensors(checkpoint["model_state_dict"], save_path)
+            else:
+                atomic_save(checkpoint, save_path)
+
+
+def _check_weights_only(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler) -> None:
+    extra = []
+    if save_optimizer and trainer.optimizer is not None:
+        extra.append("the optimizer state (save_optimizer=False leaves it out)")
+    if save_scheduler and trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
+        extra.append("the scheduler state (save_scheduler=False leaves it out)")
+    if checkpoint_kwargs:
+        extra.append(f"checkpoint_kwargs {sorted(checkpoint_kwargs)}")
+    if extra:
+        raise ValueError(
+            f"{save_path} is a .safetensors file, which holds the model's weights only, and this "
+            f"save would also hold {'; '.join(extra)}. Leave those out, or save to a .pt path, "
+            "which holds them all."
+        )
 
 
 def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
@@ -185,7 +137,7 @@ def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
     # a sharded load is collective: a process that cannot read the file must not leave the
     # others waiting in the broadcast
     with _shared_failures(accelerator, f"Loading the checkpoint {checkpoint_path}") if sharded else contextlib.nullcontext():
-        checkpoint = safe_load(checkpoint_path)
+        checkpoint = load_safetensors(checkpoint_path) if is_safetensors(checkpoint_path) else safe_load(checkpoint_path)
         if not isinstance(checkpoint, dict) or "model_state_dict" not in checkpoint:
             raise CheckpointError(
                 f"{checkpoint_path} has no 'model_state_dict'; it was not written by save_checkpoint"

@@ -119,6 +119,15 @@ def test_a_sharded_run_writes_one_whole_checkpoint_that_one_process_loads_exactl
     torch.optim.AdamW(worker.build_model().parameters()).load_state_dict(checkpoint["optimizer_state_dict"])
 
 
+def test_a_sharded_run_writes_whole_weights_to_safetensors(run):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    weights = safetensors_torch.load_file(run.out / "from_fsdp.safetensors")
+    expected = run.ranks[0]["saved_full"]["weights"]
+    assert weights.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(weights[name], value), name
+
+
 # ------------------------------------------------------------------------------ DCP states
 @pytest.mark.parametrize("mode", ["no_sync", "every_micro_step"])
 @pytest.mark.parametrize("state", ["step_4", "step_8", "step_12"])

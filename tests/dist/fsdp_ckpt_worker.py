@@ -141,6 +141,7 @@ def main(out: Path) -> None:
     trainer = make_trainer(seed=12)
     train(trainer, num_epochs=1)
     trainer.save_checkpoint(str(out / "from_fsdp.pt"))
+    trainer.save_checkpoint(str(out / "from_fsdp.safetensors"), save_optimizer=False, save_scheduler=False)
     results["saved_full"] = snapshot(trainer)
 
     # step-exact resume from sharded training states (DCP). 8 batches per epoch and process in
