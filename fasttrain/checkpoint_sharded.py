@@ -11,7 +11,8 @@ the whole model or optimizer state, so ``model.state_dict()`` on process 0 is on
   processes, one included, loads it; a sharded run loads one with ``broadcast_from_rank0``.
 * :func:`save_sharded` / :func:`load_sharded`: a **training state** keeps the model and
   optimizer sharded: every process writes its own shards into the ``dcp`` folder of the state,
-  read back by the same number of processes.
+  read back by the same number of processes; :func:`window_gradients` /
+  :func:`restore_window_gradients` carry the gradients of an open accumulation window.
 
 States that fasttrain cannot save correctly (FSDP1, DeepSpeed's partitioned ZeRO stages) are
 refused by :func:`is_sharded` with an error that says what to use instead.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from accelerate.utils import DistributedType
 
 from fasttrain.checkpoint_files import CheckpointError
 
@@ -31,20 +33,18 @@ DCP_DIR = "dcp"
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 _PROCESS_FILE = re.compile(r"(?:grads|rng_state)_(\d+)\.pt")
 _WINDOW_REFUSED = (
-    "the save falls inside a gradient accumulation window of a sharded model whose partial "
-    "gradients {why}. Save at an optimizer update: save_every_n_steps a multiple of "
-    "gradient_accumulation_steps."
+    "Not saving the training state: the save falls inside a gradient accumulation window of a "
+    "sharded model whose partial gradients {why}. Save at an optimizer update: "
+    "save_every_n_steps a multiple of gradient_accumulation_steps."
 )
-
-
-def _error(message: str) -> CheckpointError:
-    return CheckpointError(message)
 
 
 def is_sharded(trainer) -> bool:
     """Whether ``trainer``'s prepared model is sharded (``DTensor`` parameters, FSDP2); raises
     :class:`~fasttrain.checkpointing.CheckpointError` for the sharded set-ups whose states
     fasttrain cannot write correctly."""
+    if not torch.distributed.is_available():
+        return False  # a torch built without torch.distributed shards nothing
     model = trainer.get_model(keep_torch_compile=False)
     _refuse_unsupported(trainer, model)
     from torch.distributed.tensor import DTensor
@@ -56,7 +56,7 @@ def _refuse_unsupported(trainer, model) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise _error(
+        raise CheckpointError(
             "fasttrain cannot save or load the state of an FSDP1 model correctly (its flat "
             "parameters and optimizer state are sharded across processes). Use FSDP2: "
             "Trainer(..., accelerator_kwargs={'fsdp_plugin': "
@@ -64,15 +64,13 @@ def _refuse_unsupported(trainer, model) -> None:
             "config; its checkpoints go through torch.distributed.checkpoint."
         )
     accelerator = trainer._accelerator
-    if type(model).__name__ == "DeepSpeedEngine" or str(getattr(accelerator, "distributed_type", "")).endswith(
-        "DEEPSPEED"
-    ):
+    if type(model).__name__ == "DeepSpeedEngine" or getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED:
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         stage = getattr(plugin, "zero_stage", None)
         # ZeRO-3 partitions the parameters even in one process, ZeRO-1/2 the optimizer state
         # across processes
         if stage is None or stage == 3 or (stage > 0 and accelerator.num_processes > 1):
-            raise _error(
+            raise CheckpointError(
                 f"fasttrain cannot save or load DeepSpeed ZeRO stage {stage} states: the optimizer "
                 "state (and with stage 3 the parameters) is partitioned across processes. Use "
                 "accelerator.save_state(dir) / accelerator.load_state(dir) "
@@ -87,15 +85,27 @@ def _optimizer(trainer):
 
 
 # ------------------------------------------------------------------------------- consolidated
+# wrappers whose attribute torch's state-dict helpers leave out of parameter names
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def _fqn(name: str) -> str:
+    """A parameter's name as torch's state-dict helpers write it (wrappers such as a block
+    compiled with ``torch.compile(block)`` left out)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def _parameter_ids(model, optimizer) -> dict:
     """Fully qualified parameter name -> the integer id ``optimizer.state_dict()`` gives it (ids
     count the parameters of the parameter groups in order)."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): _fqn(name) for name, p in model.named_parameters()}
     ids = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in names:
-                raise _error(
+                raise CheckpointError(
                     "The optimizer holds a parameter that is not one of the model's, so its state "
                     "cannot be named in a checkpoint of a sharded model; build the optimizer from "
                     "model.parameters()."
@@ -120,7 +130,7 @@ def _to_names(state: dict, ids: dict) -> dict:
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]],
         }
     except (KeyError, ValueError, TypeError) as e:
-        raise _error(
+        raise CheckpointError(
             f"The checkpoint's optimizer state does not fit this optimizer (parameter {e} is not "
             "one of its parameters); build the same optimizer as the saved run, or load with "
             "load_optimizer=False."
@@ -242,7 +252,7 @@ def _fsdp_params(model) -> list:
                     fsdp_param.unsharded_accumulated_grad  # noqa: B018  (present in every layout read here)
                     found.append((names[id(fsdp_param.sharded_param)], fsdp_param))
     except (AttributeError, KeyError) as e:
-        raise _error(_WINDOW_REFUSED.format(why=f"this torch's FSDP2 keeps where fasttrain cannot read them ({e})")) from e
+        raise CheckpointError(_WINDOW_REFUSED.format(why=f"this torch's FSDP2 keeps where fasttrain cannot read them ({e})")) from e
     return found
 
 
@@ -258,7 +268,7 @@ def window_gradients(model) -> dict:
         if grad is None and hasattr(fsdp_param, "_unsharded_param"):
             grad = fsdp_param._unsharded_param.grad
         if isinstance(grad, DTensor):
-            raise _error(_WINDOW_REFUSED.format(why="are themselves distributed (HSDP or tensor parallel)"))
+            raise CheckpointError(_WINDOW_REFUSED.format(why="are themselves distributed (HSDP or tensor parallel)"))
         if grad is not None:
             unsharded[name] = grad
     sharded, plain = {}, {}

@@ -254,3 +254,14 @@ def test_an_optimizer_state_for_other_parameters_is_refused():
         "state": {"0.bias": {"a": 1}},
         "param_groups": [{"params": ["0.weight", "0.bias"]}],
     }
+
+
+def test_optimizer_parameters_are_numbered_by_the_names_torch_gives_them():
+    """torch's state-dict helpers leave wrappers such as a block compiled with
+    torch.compile(block) out of the names; the numbering follows the optimizer's groups."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    model[0] = torch.compile(model[0])
+    optimizer = torch.optim.SGD([{"params": model[1].parameters()}, {"params": model[0].parameters()}], lr=0.1)
+    assert checkpoint_sharded._parameter_ids(model, optimizer) == {"1.weight": 0, "1.bias": 1, "0.weight": 2, "0.bias": 3}
+    with pytest.raises(checkpointing.CheckpointError, match="not one of the model's"):
+        checkpoint_sharded._parameter_ids(torch.nn.Linear(2, 2), optimizer)
