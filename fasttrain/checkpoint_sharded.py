@@ -116,10 +116,17 @@ def _parameter_ids(model, optimizer) -> dict:
 
 def _to_ids(state: dict, ids: dict) -> dict:
     """A state dict keyed by parameter names (DCP's) in ``optimizer.state_dict()``'s format."""
-    return {
-        "state": {ids[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**g, "params": [ids[name] for name in g["params"]]} for g in state["param_groups"]],
-    }
+    try:
+        return {
+            "state": {ids[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**g, "params": [ids[name] for name in g["params"]]} for g in state["param_groups"]],
+        }
+    except KeyError as e:
+        raise CheckpointError(
+            f"torch names an optimizer parameter {e}, which is none of the model's parameter names "
+            f"({', '.join(sorted(ids)[:5])}, ...): a wrapper fasttrain does not know renames them. "
+            "Save with save_optimizer=False, or save a training state (save_training_state)."
+        ) from e
 
 
 def _to_names(state: dict, ids: dict) -> dict:
@@ -156,13 +163,14 @@ def full_state_dicts(trainer, with_optimizer: bool, writers_on_every_node: bool)
     optimizer_state = None
     if with_optimizer:
         optimizer = _optimizer(trainer)
+        ids = _parameter_ids(model, optimizer)  # on every process: a bad optimizer fails on all
         if not optimizer.state:
             # before the first update there is nothing sharded to gather; DCP would initialise the
             # state with a zero-gradient step (a first step count the run never took)
             optimizer_state = optimizer.state_dict()
         else:
             gathered = _to_cpu(get_optimizer_state_dict(model, optimizer, options=options))
-            optimizer_state = _to_ids(gathered, _parameter_ids(model, optimizer)) if gathered else {}
+            optimizer_state = _to_ids(gathered, ids) if gathered else {}
     return model_state, optimizer_state
 
 

@@ -88,9 +88,12 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
     if checkpoint_sharded.is_sharded(trainer):
         # every process takes part in gathering the shards; the writers get the whole state
         several_nodes = accelerator.num_processes > int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-        model_state, optimizer_state = checkpoint_sharded.full_state_dicts(
-            trainer, with_optimizer=save_optimizer, writers_on_every_node=save_per_node and several_nodes
-        )
+        # the gathers are done by every process before anything can fail on one of them only
+        # (the conversion on the writers): that failure reaches the others here
+        with _shared_failures(accelerator, f"Saving the checkpoint {save_path}"):
+            model_state, optimizer_state = checkpoint_sharded.full_state_dicts(
+                trainer, with_optimizer=save_optimizer, writers_on_every_node=save_per_node and several_nodes
+            )
         checkpoint = {"model_state_dict": model_state}
         if save_optimizer:
             checkpoint["optimizer_state_dict"] = optimizer_state
