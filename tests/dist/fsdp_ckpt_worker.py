@@ -178,6 +178,10 @@ def main(out: Path) -> None:
     results["after_refusals"] = snapshot(trainer)
 
     torch.save(results, out / f"rank{rank}.pt")
+    barrier()
+    # an explicit end of the process group: gloo's threads are then joined before the
+    # interpreter exits
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
