@@ -15,27 +15,36 @@ Two formats, as in pytorch-accelerated:
 Every file is written to a temporary name and renamed into place, and a training state directory
 is assembled under a temporary name and swapped in whole, so an exception or a kill during a save
 never replaces a good checkpoint with a broken one. Files are loaded with ``weights_only=True``: a
-file carrying arbitrary pickled objects is refused. The resume machinery (positions, replaying an
-epoch's shuffle) lives in :mod:`fasttrain.resume`.
+file carrying arbitrary pickled objects is refused (:mod:`fasttrain.checkpoint_files`). A
+checkpoint path ending in ``.safetensors`` holds the model's weights only. Sharded (FSDP2) models
+go through ``torch.distributed.checkpoint`` (:mod:`fasttrain.checkpoint_sharded`). The resume
+machinery (positions, replaying an epoch's shuffle) lives in :mod:`fasttrain.resume`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from fasttrain import step_metrics
+from fasttrain import checkpoint_sharded, step_metrics
+from fasttrain.checkpoint_files import (  # noqa: F401  (re-exported: part of this module's API)
+    CheckpointError,
+    CheckpointNotFoundError,
+    atomic_save,
+    is_safetensors,
+    load_safetensors,
+    safe_load,
+    save_safetensors,
+)
+from fasttrain.checkpoint_files import file_entry as _file_entry
 from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches them from here)
     ResumePosition,
     begin_training,
@@ -51,7 +60,6 @@ STATE_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 _METADATA_FILE = "trainer_state.pt"
 _CALLBACKS_FILE = "callbacks.pt"
-_HASH_CHUNK = 1 << 20
 
 __all__ = [
     "CheckpointError",
@@ -69,90 +77,30 @@ __all__ = [
 ]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint or training state cannot be read (missing, truncated, corrupt or unsafe)."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No file at the checkpoint path (also a ``FileNotFoundError``, as it always was)."""
-
-
-# ------------------------------------------------------------------------------- file helpers
-class _HashingWriter:
-    """A write-only file object that hashes and counts what passes through it, so a file's
-    SHA-256 comes from the bytes as written, without reading the file back."""
-
-    def __init__(self, file):
-        self._file = file
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        return self._file.write(data)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-
-def atomic_save(obj, path) -> dict:
-    """``torch.save`` to ``path`` through a temporary file in the same directory, an ``fsync`` and
-    a rename, so ``path`` holds either its old content or the complete new one. Returns the
-    file's manifest entry (``size`` and ``sha256``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # KeyboardInterrupt included: the partial file must never be mistaken for a checkpoint
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
-
-
-def _file_entry(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def safe_load(path, map_location="cpu"):
-    """``torch.load`` with ``weights_only=True`` and errors that say what went wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"No checkpoint at {path}")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(
-            f"Refusing to load {path}: it contains objects other than tensors and plain Python "
-            "values (numbers, strings, lists, dicts), and unpickling them could run arbitrary "
-            "code. If you trust the file, load it yourself with torch.load(..., "
-            f"weights_only=False) and pass the state dicts on. Details: {e}"
-        ) from e
-    except Exception as e:
-        # torch's zip reader fails in many ways on a cut or damaged file (RuntimeError,
-        # EOFError, OSError "Invalid argument", ValueError, KeyError ...): each means the same
-        raise CheckpointError(
-            f"{path} is not a readable checkpoint (truncated or corrupt?): {type(e).__name__}: {e}"
-        ) from e
-
-
 # ------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler, save_per_node):
-    checkpoint = {"model_state_dict": trainer.get_model(keep_torch_compile=False).state_dict()}
-    if save_optimizer:
-        checkpoint["optimizer_state_dict"] = trainer.optimizer.state_dict()
+    accelerator = trainer._accelerator
+    writer = accelerator.is_local_main_process if save_per_node else accelerator.is_main_process
+    weights_only = is_safetensors(save_path)
+    if weights_only:
+        _check_weights_only(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler)
+        save_optimizer = save_scheduler = False
+    if checkpoint_sharded.is_sharded(trainer):
+        # every process takes part in gathering the shards; the writers get the whole state
+        several_nodes = accelerator.num_processes > int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        # the gathers are done by every process before anything can fail on one of them only
+        # (the conversion on the writers): that failure reaches the others here
+        with _shared_failures(accelerator, f"Saving the checkpoint {save_path}"):
+            model_state, optimizer_state = checkpoint_sharded.full_state_dicts(
+                trainer, with_optimizer=save_optimizer, writers_on_every_node=save_per_node and several_nodes
+            )
+        checkpoint = {"model_state_dict": model_state}
+        if save_optimizer:
+            checkpoint["optimizer_state_dict"] = optimizer_state
+    else:
+        checkpoint = {"model_state_dict": trainer.get_model(keep_torch_compile=False).state_dict()}
+        if save_optimizer:
+            checkpoint["optimizer_state_dict"] = trainer.optimizer.state_dict()
     if save_scheduler and trainer.scheduler is not None:
         if hasattr(trainer.scheduler, "state_dict"):
             checkpoint["scheduler_state_dict"] = trainer.scheduler.state_dict()
@@ -160,29 +108,59 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
             trainer.print("Warning: the scheduler has no state_dict(); it is not saved in the checkpoint.")
     if checkpoint_kwargs is not None:
         checkpoint.update(checkpoint_kwargs)
-    accelerator = trainer._accelerator
     accelerator.wait_for_everyone()
-    writer = accelerator.is_local_main_process if save_per_node else accelerator.is_main_process
     with _shared_failures(accelerator, f"Saving the checkpoint {save_path}"):
         if writer:
-            atomic_save(checkpoint, save_path)
+            if weights_only:
+                save_safetensors(checkpoint["model_state_dict"], save_path)
+            else:
+                atomic_save(checkpoint, save_path)
+
+
+def _check_weights_only(trainer, save_path, checkpoint_kwargs, save_optimizer, save_scheduler) -> None:
+    extra = []
+    if save_optimizer and trainer.optimizer is not None:
+        extra.append("the optimizer state (save_optimizer=False leaves it out)")
+    if save_scheduler and trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
+        extra.append("the scheduler state (save_scheduler=False leaves it out)")
+    if checkpoint_kwargs:
+        extra.append(f"checkpoint_kwargs {sorted(checkpoint_kwargs)}")
+    if extra:
+        raise ValueError(
+            f"{save_path} is a .safetensors file, which holds the model's weights only, and this "
+            f"save would also hold {'; '.join(extra)}. Leave those out, or save to a .pt path, "
+            "which holds them all."
+        )
 
 
 def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
-    trainer._accelerator.wait_for_everyone()
-    checkpoint = safe_load(checkpoint_path)
-    if not isinstance(checkpoint, dict) or "model_state_dict" not in checkpoint:
-        raise CheckpointError(
-            f"{checkpoint_path} has no 'model_state_dict'; it was not written by save_checkpoint"
-        )
-    trainer.get_model(keep_torch_compile=False).load_state_dict(checkpoint["model_state_dict"])
-    if load_optimizer and "optimizer_state_dict" in checkpoint:
-        if trainer.optimizer is None:
-            raise ValueError(
-                "The checkpoint holds an optimizer state but the trainer has no optimizer; pass "
-                "one to the Trainer or call load_checkpoint(..., load_optimizer=False)."
+    accelerator = trainer._accelerator
+    accelerator.wait_for_everyone()
+    sharded = checkpoint_sharded.is_sharded(trainer)
+    # a sharded load is collective: a process that cannot read the file must not leave the
+    # others waiting in the broadcast
+    with _shared_failures(accelerator, f"Loading the checkpoint {checkpoint_path}") if sharded else contextlib.nullcontext():
+        checkpoint = load_safetensors(checkpoint_path) if is_safetensors(checkpoint_path) else safe_load(checkpoint_path)
+        if not isinstance(checkpoint, dict) or "model_state_dict" not in checkpoint:
+            raise CheckpointError(
+                f"{checkpoint_path} has no 'model_state_dict'; it was not written by save_checkpoint"
             )
-        trainer.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+    load_optimizer = load_optimizer and "optimizer_state_dict" in checkpoint
+    if load_optimizer and trainer.optimizer is None:
+        raise ValueError(
+            "The checkpoint holds an optimizer state but the trainer has no optimizer; pass "
+            "one to the Trainer or call load_checkpoint(..., load_optimizer=False)."
+        )
+    if sharded:
+        # a whole state, whichever number of processes wrote it: process 0's values are
+        # broadcast and every process keeps its shards
+        checkpoint_sharded.load_full_state_dicts(
+            trainer, checkpoint["model_state_dict"], checkpoint["optimizer_state_dict"] if load_optimizer else None
+        )
+    else:
+        trainer.get_model(keep_torch_compile=False).load_state_dict(checkpoint["model_state_dict"])
+        if load_optimizer:
+            trainer.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
     if load_scheduler and "scheduler_state_dict" in checkpoint:
         if trainer.scheduler is None:
             raise ValueError(
@@ -237,6 +215,8 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     rank = accelerator.process_index
     staging = output_dir.with_name(f".{output_dir.name}.staging")
     what = f"Saving the training state to {output_dir}"
+    sharded = checkpoint_sharded.is_sharded(trainer)
+    open_window = _open_accumulation_window(trainer)
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             if staging.exists():
@@ -245,10 +225,24 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
 
     entries = {}
     model = trainer.get_model(keep_torch_compile=False)
+    sharded_metadata = None
+    if sharded:
+        # every process writes its own shards of the model and optimizer (DCP coordinates the
+        # writes and raises on every process when one fails) and hashes them for the manifest
+        with _shared_failures(accelerator, what):
+            sharded_metadata = checkpoint_sharded.save_sharded(trainer, staging)
+            shard_dir = staging / sharded_metadata["dir"]
+            own_entries = {
+                f"{sharded_metadata['dir']}/{name}": _file_entry(shard_dir / name)
+                for name in checkpoint_sharded.shard_files_of(rank, shard_dir)
+            }
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
-            entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
-            entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
+            if not sharded:
+                entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
+            if not sharded or not sharded_metadata["optimizer_state"]:
+                # sharded: the parameter groups of an optimizer without state yet (nothing sharded)
+                entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
             if trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
                 entries["scheduler.pt"] = atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
             if accelerator.scaler is not None:
@@ -265,22 +259,31 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
                 "engine": trainer._engine.state_dict() if trainer._engine is not None else {},
                 "num_processes": accelerator.num_processes,
             }
+            if sharded_metadata is not None:
+                metadata["sharded"] = sharded_metadata
             if checkpoint_kwargs is not None:
                 metadata.update(checkpoint_kwargs)
             entries[_METADATA_FILE] = atomic_save(metadata, staging / _METADATA_FILE)
-        if _open_accumulation_window(trainer):
+        own = {}
+        if open_window:
             # inside a window each process holds its own, not yet all-reduced, gradients
-            grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-            atomic_save(grads, staging / f"grads_{rank}.pt")
+            if sharded:
+                grads = checkpoint_sharded.window_gradients(model)
+            else:
+                grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+            own[f"grads_{rank}.pt"] = atomic_save(grads, staging / f"grads_{rank}.pt")
         # every process has its own random streams
-        atomic_save(
+        own[f"rng_state_{rank}.pt"] = atomic_save(
             {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer._epoch_start_rng},
             staging / f"rng_state_{rank}.pt",
         )
+    if sharded:
+        # each process hashed the files it wrote, large ones included: process 0 reads none of them
+        entries.update(_gather_entries(accelerator, {**own_entries, **own}))
     with _shared_failures(accelerator, what):
         if accelerator.is_main_process:
             for path in sorted(staging.iterdir()):
-                if path.name not in entries and not path.name.startswith("."):
+                if path.name not in entries and not path.name.startswith(".") and path.is_file():
                     entries[path.name] = _file_entry(path)  # small per-process files
             manifest = {"format": "fasttrain-training-state", "version": STATE_VERSION, "files": entries}
             with open(staging / MANIFEST_FILE, "w") as f:
@@ -293,6 +296,16 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     return True
 
 
+def _gather_entries(accelerator, own: dict) -> dict:
+    """The manifest entries every process computed for the files it wrote, merged."""
+    if accelerator.num_processes == 1:
+        return dict(own)
+    gathered = [None] * accelerator.num_processes
+    # one exchange of a few names and digests per save
+    torch.distributed.all_gather_object(gathered, own)
+    return {name: entry for part in gathered for name, entry in part.items()}
+
+
 _STATE_FILE_NAMES = {"model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", _CALLBACKS_FILE, _METADATA_FILE, MANIFEST_FILE}
 
 
@@ -303,7 +316,9 @@ def _check_replaceable(output_dir: Path) -> None:
     foreign = sorted(
         p.name
         for p in output_dir.iterdir()
-        if p.name not in _STATE_FILE_NAMES and not re.fullmatch(r"(grads|rng_state)_\d+\.pt", p.name)
+        if p.name not in _STATE_FILE_NAMES
+        and not re.fullmatch(r"(grads|rng_state)_\d+\.pt", p.name)
+        and not (p.name == checkpoint_sharded.DCP_DIR and p.is_dir())
     )
     if foreign:
         raise ValueError(
@@ -355,7 +370,23 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
     """Check that ``input_dir`` is a complete training state: every file of its manifest is
     present with the recorded size (and SHA-256). Returns the manifest; raises
     :class:`CheckpointError` naming what is wrong."""
-    input_dir = Path(input_dir)
+    return _verify(Path(input_dir), lambda name: check_hashes)
+
+
+def _hashes_checked_here(accelerator):
+    """Which files' hashes this process checks when every process verifies a state: each the
+    files it wrote (shards of a sharded state, gradients, random states), the first process
+    everything else, so that no process reads all of a large sharded state."""
+    rank = accelerator.process_index
+
+    def check(name: str) -> bool:
+        owner = checkpoint_sharded.file_owner(name)
+        return owner == rank if owner is not None else accelerator.is_main_process
+
+    return check
+
+
+def _verify(input_dir: Path, check_hash) -> dict:
     manifest_path = input_dir / MANIFEST_FILE
     if not input_dir.is_dir():
         raise CheckpointError(f"No training state at {input_dir} (not a directory)")
@@ -382,7 +413,7 @@ def verify_training_state(input_dir, check_hashes: bool = True) -> dict:
         size = path.stat().st_size
         if size != entry["size"]:
             problems.append(f"{name} has {size} bytes, the manifest records {entry['size']} (truncated?)")
-        elif check_hashes and _file_entry(path)["sha256"] != entry["sha256"]:
+        elif check_hash(name) and _file_entry(path)["sha256"] != entry["sha256"]:
             problems.append(f"{name} does not match its SHA-256 in the manifest (corrupted)")
     if problems:
         raise CheckpointError(
@@ -441,9 +472,9 @@ def load_training_state(trainer, input_dir) -> dict:
     input_dir = _resolve_state_dir(Path(input_dir))
     accelerator = trainer._accelerator
     # every process checks that the files are complete; hashing them (reading every byte once
-    # more) is left to one process per run, as the files are shared
+    # more) is left to one process per file, as the files are shared
     with _shared_failures(accelerator, f"Loading the training state from {input_dir}"):
-        verify_training_state(input_dir, check_hashes=accelerator.is_main_process)
+        _verify(input_dir, _hashes_checked_here(accelerator))
         metadata = safe_load(input_dir / _METADATA_FILE)
     if metadata.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
         raise CheckpointError(
@@ -451,8 +482,22 @@ def load_training_state(trainer, input_dir) -> dict:
             f"{accelerator.num_processes}; resume with the same number of processes."
         )
     model = trainer.get_model(keep_torch_compile=False)
-    model.load_state_dict(safe_load(input_dir / "model.pt"))
-    trainer.optimizer.load_state_dict(safe_load(input_dir / "optimizer.pt"))
+    saved_sharded = metadata.get("sharded")
+    if checkpoint_sharded.is_sharded(trainer) != (saved_sharded is not None):
+        raise CheckpointError(
+            f"{input_dir} was saved by a run whose model was {'' if saved_sharded else 'not '}sharded "
+            f"and this run's model is {'not ' if saved_sharded else ''}sharded (FSDP2); resume with "
+            "the same distributed configuration. To carry the weights over to another one, "
+            "save_checkpoint() writes a whole model that load_checkpoint() reads in any set-up."
+        )
+    if saved_sharded is not None:
+        with _shared_failures(accelerator, f"Loading the training state from {input_dir}"):
+            checkpoint_sharded.load_sharded(trainer, input_dir, saved_sharded)
+        if not saved_sharded.get("optimizer_state"):
+            trainer.optimizer.load_state_dict(safe_load(input_dir / "optimizer.pt"))
+    else:
+        model.load_state_dict(safe_load(input_dir / "model.pt"))
+        trainer.optimizer.load_state_dict(safe_load(input_dir / "optimizer.pt"))
     if (input_dir / "scheduler.pt").exists():
         if trainer.scheduler is None:
             raise ValueError(
@@ -462,7 +507,11 @@ def load_training_state(trainer, input_dir) -> dict:
         trainer.scheduler.load_state_dict(safe_load(input_dir / "scheduler.pt"))
     if (input_dir / "scaler.pt").exists() and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(safe_load(input_dir / "scaler.pt"))
-    _load_gradients(model, input_dir / f"grads_{accelerator.process_index}.pt")
+    grads_path = input_dir / f"grads_{accelerator.process_index}.pt"
+    if saved_sharded is not None:
+        checkpoint_sharded.restore_window_gradients(model, safe_load(grads_path) if grads_path.exists() else None)
+    else:
+        _load_gradients(model, grads_path)
     if (input_dir / _CALLBACKS_FILE).exists():
         saved = safe_load(input_dir / _CALLBACKS_FILE)
         for name, callback in _stateful_callbacks(trainer).items():

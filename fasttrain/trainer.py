@@ -491,7 +491,8 @@ class Trainer(ForwardBackwardHelper):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_path, checkpoint_kwargs=None, save_optimizer=True, save_scheduler=True, save_per_node=True):
         """Save model (and optimizer, scheduler) state and ``checkpoint_kwargs`` as one ``.pt``
-        file, written atomically."""
+        file, written atomically. A sharded (FSDP2) model's state is gathered whole first, so
+        the file loads with any number of processes; every process must call this."""
         checkpointing.save_checkpoint(self, save_path, checkpoint_kwargs, save_optimizer, save_scheduler, save_per_node)
 
     def load_checkpoint(self, checkpoint_path, load_optimizer=True, load_scheduler=True):
@@ -499,7 +500,8 @@ class Trainer(ForwardBackwardHelper):
         return checkpointing.load_checkpoint(self, checkpoint_path, load_optimizer, load_scheduler)
 
     def save_training_state(self, output_dir, checkpoint_kwargs=None):
-        """Save everything needed to continue training from this exact step. Returns False,
+        """Save everything needed to continue training from this exact step (a sharded model's
+        shards through ``torch.distributed.checkpoint``, by every process). Returns False,
         writing nothing, when an update with non-finite values was applied since the last good
         state (``nonfinite="stop"``)."""
         return checkpointing.save_training_state(self, output_dir, checkpoint_kwargs)
