@@ -177,7 +177,8 @@ def report(results: dict, blocks: int, model_name: str) -> str:
             f"| {r['kernels']} | {r['graphs']} | {ratio} | {', '.join(f'{l:.7f}' for l in r['losses'])} "
             f"| {r['phases_s']} |")
     worst = max(abs(a - b) for v in VARIANTS for a, b in zip(base["losses"], results[v]["losses"]))
-    lines += ["", f"Largest loss difference from whole-model compile: {worst:.2e}"]
+    relative = max(abs(a - b) / abs(a) for v in VARIANTS for a, b in zip(base["losses"], results[v]["losses"]))
+    lines += ["", f"Largest loss difference from whole-model compile: {worst:.2e} ({relative:.1e} relative)"]
     return "\n".join(lines) + "\n"
 
 

@@ -14,11 +14,11 @@ chosen block a forward with two compiled forms, shared by all blocks of its clas
   AOTAutograd and Inductor compile it once, inside the one graph of the step.
 
 Either way the first step costs about one block's compile plus what surrounds the blocks, whatever
-the depth. Where torch has no ``nested_compile_region`` (before 2.8), an enclosing compile inlines
-the blocks: correct, compiled whole, nothing regional.
+the depth. A torch without ``torch.compiler.nested_compile_region`` inlines the blocks into an
+enclosing compile: correct, compiled whole, nothing regional.
 
-The marked function takes the block as an argument. Marking each block's bound ``forward`` instead
-gave wrong losses in torch 2.13: the reused subgraph kept the first block's parameters.
+The marked function takes the block as an argument: marking each block's bound ``forward``
+instead gave wrong losses in torch 2.13.
 """
 
 from __future__ import annotations

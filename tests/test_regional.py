@@ -11,6 +11,11 @@ from fasttrain.regional import compile_regions, compiled_region_names, find_repe
 from model_blocks import Block, Stack, train_losses
 
 
+needs_nested_regions = pytest.mark.skipif(
+    not hasattr(torch.compiler, "nested_compile_region"), reason="needs torch.compiler.nested_compile_region"
+)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_accelerate_state():
     yield
@@ -46,7 +51,7 @@ def _invoke_subgraph_calls(graph):
     return [n for n in graph.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
 
 
-@pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"), reason="needs torch>=2.8")
+@needs_nested_regions
 @pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
 def test_compiled_engines_same_losses_as_whole_model_compile(engine, whole_model_losses):
     from torch._inductor.compile_fx import compile_fx
@@ -82,7 +87,7 @@ def _compile_recording(model, x):
     return out, graphs[0]
 
 
-@pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"), reason="needs torch>=2.8")
+@needs_nested_regions
 def test_inside_a_whole_model_compile_the_blocks_are_one_reused_subgraph():
     torch.manual_seed(0)
     model = Stack(blocks=4).eval()
