@@ -1,25 +1,36 @@
 """Regional compilation: compile each repeated block of a model instead of the whole model.
 
 A transformer is a stack of identical blocks. Compiled whole, Dynamo traces and Inductor
-optimises every block again, so compile time grows with depth. Compiled per block with
-``nn.Module.compile``, the blocks share one graph: Dynamo treats a built-in module's parameters
-as graph inputs (``inline_inbuilt_nn_modules``, torch's default), so the second and later blocks
-of the same class hit the first block's cache entry instead of compiling. The first step then
-costs about one block's compile, whatever the depth. The code between blocks (embedding, head,
-loss) stays eager.
+optimises every block again, so compile time grows with depth. :func:`compile_regions` gives each
+chosen block a forward with two compiled forms, shared by all blocks of its class:
 
-``Trainer(compile_regions=...)`` applies this to the model once, at construction. It is meant for
-``engine="eager"`` (the compiled engine already compiles the whole forward, and tracing it inlines
-the compiled blocks, so regional compilation adds nothing there; it stays correct).
+* called eagerly (``engine="eager"``), the block runs through ``torch.compile`` of its forward.
+  Dynamo treats a built-in module's parameters as graph inputs (``inline_inbuilt_nn_modules``,
+  torch's default), so the second and later blocks hit the first block's cache entry instead of
+  compiling; the code between blocks (embedding, head, loss) stays eager;
+* traced by an enclosing ``torch.compile`` (``engine="compiled"`` / ``"cudagraph"``, which
+  compile the whole step), the block is a ``torch.compiler.nested_compile_region``: Dynamo
+  traces the first block once and reuses that subgraph (``invoke_subgraph``) for the others, and
+  AOTAutograd and Inductor compile it once, inside the one graph of the step.
+
+Either way the first step costs about one block's compile plus what surrounds the blocks, whatever
+the depth. A torch without ``torch.compiler.nested_compile_region`` inlines the blocks into an
+enclosing compile: correct, compiled whole, nothing regional.
+
+The marked function takes the block as an argument: marking each block's bound ``forward``
+instead gave wrong losses in torch 2.13.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple, Type, Union
+import functools
+import types
+from typing import List, Optional, Sequence, Tuple, Type, Union
 
+import torch
 from torch import nn
 
-__all__ = ["compile_regions", "find_repeated_blocks"]
+__all__ = ["compile_regions", "compiled_region_names", "find_repeated_blocks"]
 
 ModuleTypes = Union[Type[nn.Module], Sequence[Type[nn.Module]]]
 
@@ -50,6 +61,46 @@ def _as_types(module_types, option: str) -> Tuple[Type[nn.Module], ...]:
     return types
 
 
+_MARK = "_fasttrain_compiled_region"
+
+
+def _call_block(block: nn.Module, *args, **kwargs):
+    return getattr(block, _MARK).forward(*args, **kwargs)
+
+
+def _private_copy(fn):
+    # Dynamo keys its cache (and its recompile limit, 8 entries) and nested_compile_region keys
+    # its reused subgraphs on the code object: a copy per block class keeps classes apart
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class _Region:
+    """The compiled forms of one block class's forward, shared by all blocks of that class."""
+
+    def __init__(self, compile_kwargs: dict):
+        self.compiled = torch.compile(_private_copy(_call_block), **compile_kwargs)
+        nested = getattr(torch.compiler, "nested_compile_region", None)
+        self.nested = nested(_private_copy(_call_block)) if nested is not None else _call_block
+
+
+class _BlockRegion:
+    """What a compiled block keeps: its own forward (as it was, e.g. under activation
+    checkpointing) and its class's :class:`_Region`."""
+
+    def __init__(self, forward, region: _Region):
+        self.forward = forward
+        self.region = region
+
+
+def _region_forward(block: nn.Module, *args, **kwargs):
+    region = getattr(block, _MARK).region
+    if torch.compiler.is_compiling():
+        # inside the compiled engines' trace of the whole step (an inner torch.compile would
+        # only be inlined there)
+        return region.nested(block, *args, **kwargs)
+    return region.compiled(block, *args, **kwargs)
+
+
 def compile_regions(
     model: nn.Module,
     module_types: Optional[ModuleTypes] = None,
@@ -57,36 +108,50 @@ def compile_regions(
 ) -> List[str]:
     """Compile, in place, every submodule of ``model`` whose class is in ``module_types`` (by
     default the classes :func:`find_repeated_blocks` finds). ``compile_kwargs`` go to
-    ``torch.compile`` (``fullgraph``, ``dynamic``, ``mode``, ``backend``, ``options``).
+    ``torch.compile`` of the blocks run eagerly (``fullgraph``, ``dynamic``, ``mode``,
+    ``backend``, ``options``); inside an enclosing ``torch.compile`` its settings apply.
 
     Returns the names of the compiled submodules. Parameter names, ``state_dict`` keys and the
-    module tree do not change, so checkpoints load into the model with or without it. A block
-    inside another chosen block is left to its parent's compilation."""
+    module tree do not change (the forward is replaced on each instance), so checkpoints load
+    into the model with or without it. Module hooks stay outside the compiled region. A block
+    inside another chosen block is left to its parent's compilation; calling this twice changes
+    nothing."""
     if module_types is None:
-        types = find_repeated_blocks(model)
-        if not types:
+        types_ = find_repeated_blocks(model)
+        if not types_:
             raise ValueError(
                 "compile_regions found no repeated blocks (an nn.ModuleList or nn.Sequential with "
                 "two or more modules of one class of your own); name the block class instead, "
                 "e.g. compile_regions(model, MyBlock)"
             )
     else:
-        types = _as_types(module_types, "compile_regions")
+        types_ = _as_types(module_types, "compile_regions")
+    regions = {}
     compiled: List[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, types):
+        if not isinstance(module, types_) or any(name.startswith(prefix + ".") for prefix in compiled):
             continue
-        if any(name.startswith(prefix + ".") for prefix in compiled):
-            continue  # inside a block already compiled
-        module.compile(**compile_kwargs)
+        if name == "":
+            raise ValueError(
+                "compile_regions names the model's own class: that is whole-model compilation "
+                "(torch.compile(model) or engine='compiled'); name its blocks"
+            )
         compiled.append(name)
+        if getattr(module, _MARK, None) is not None:
+            continue
+        region = regions.get(type(module))
+        if region is None:
+            region = regions[type(module)] = _Region(compile_kwargs)
+        setattr(module, _MARK, _BlockRegion(module.forward, region))
+        # an instance attribute shadows the class's forward, as activation checkpointing does
+        module.forward = functools.partial(_region_forward, module)
     if not compiled:
         raise ValueError(
-            f"compile_regions: the model has no submodule of type {[t.__name__ for t in types]}"
+            f"compile_regions: the model has no submodule of type {[t.__name__ for t in types_]}"
         )
     return compiled
 
 
-def compiled_region_names(model: nn.Module) -> Iterable[str]:
-    """Names of the submodules that ``nn.Module.compile`` has compiled."""
-    return [name for name, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+def compiled_region_names(model: nn.Module) -> List[str]:
+    """Names of the submodules that :func:`compile_regions` has compiled."""
+    return [name for name, m in model.named_modules() if getattr(m, _MARK, None) is not None]

@@ -243,8 +243,8 @@ def apply_model_transforms(model, activation_checkpointing, compile_regions, com
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile_regions is None or compile_regions is False:
         return model
-    # with engine="compiled"/"cudagraph" the engine's trace of the whole step inlines the
-    # compiled blocks: correct, and compiled whole, so the regional saving applies to eager steps
+    # the blocks run compiled one by one under engine="eager"; inside the compiled engines'
+    # trace of the whole step they are nested compile regions, traced and compiled once
     from fasttrain.engine.compiled import CompileSettings
     from fasttrain.regional import compile_regions as compile_blocks
 

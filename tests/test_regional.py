@@ -1,10 +1,19 @@
-"""Regional compilation: same losses as whole-model compile, one graph shared by the blocks."""
+"""Regional compilation: same losses as whole-model compile with every engine, one graph (eager)
+or one reused subgraph (inside the compiled engines' trace) for all blocks."""
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 
+from fasttrain.checkpoint_activations import apply_activation_checkpointing
 from fasttrain.regional import compile_regions, compiled_region_names, find_repeated_blocks
 from model_blocks import Block, Stack, train_losses
+
+
+needs_nested_regions = pytest.mark.skipif(
+    not hasattr(torch.compiler, "nested_compile_region"), reason="needs torch.compiler.nested_compile_region"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -15,28 +24,101 @@ def _release_accelerate_state():
     AcceleratorState._reset_state()
 
 
+@pytest.fixture(scope="module")
+def whole_model_losses():
+    """Losses of the compiled engine without regional compilation: the whole step compiled."""
+    return train_losses("compiled")[0]
+
+
 def test_finds_the_repeated_block_class():
     assert find_repeated_blocks(Stack()) == (Block,)
     assert find_repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))) == ()
 
 
-def test_same_losses_as_whole_model_compile_one_graph_for_all_blocks():
+def test_eager_engine_same_losses_as_whole_model_compile_one_graph_for_all_blocks(whole_model_losses):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     regional, trainer = train_losses("eager", compile_regions=True)
     assert compiled_region_names(trainer.model) == ["blocks.0", "blocks.1", "blocks.2"]
     # the three blocks share one forward graph: no recompiles for blocks 1 and 2
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    whole, _ = train_losses("compiled")
     # Inductor fuses one block differently from the whole graph, so fp32 sums are reassociated
     # (a few ulp per step, which AdamW's normalisation carries into later steps)
-    torch.testing.assert_close(regional, whole, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(regional, whole_model_losses, rtol=2e-6, atol=1e-6)
 
 
-def test_with_the_compiled_engine_losses_match():
-    plain, _ = train_losses("compiled")
-    regional, _ = train_losses("compiled", compile_regions=[Block])
-    torch.testing.assert_close(regional, plain, rtol=0, atol=1e-6)
+def _invoke_subgraph_calls(graph):
+    return [n for n in graph.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+
+
+@needs_nested_regions
+@pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
+def test_compiled_engines_same_losses_as_whole_model_compile(engine, whole_model_losses):
+    from torch._inductor.compile_fx import compile_fx
+
+    calls = []
+
+    def inductor_counting_regions(gm, example_inputs):
+        calls.append(len(_invoke_subgraph_calls(gm)))
+        return compile_fx(gm, example_inputs)
+
+    # on the CPU the graphed engine falls back to the compiled one (with its warning)
+    falls_back = engine == "cudagraph" and not torch.cuda.is_available()
+    with pytest.warns(RuntimeWarning, match="falls back to the 'compiled'") if falls_back else nullcontext():
+        regional, trainer = train_losses(engine, compile_regions=[Block],
+                                         compile_options={"backend": inductor_counting_regions})
+    assert compiled_region_names(trainer.model) == ["blocks.0", "blocks.1", "blocks.2"]
+    # the step's forward graph calls the blocks as one nested region each
+    assert max(calls) == 3
+    torch.testing.assert_close(regional, whole_model_losses, rtol=2e-6, atol=1e-6)
+
+
+def _compile_recording(model, x):
+    """``torch.compile(model)(x)`` with a backend that keeps the FX graph Dynamo traced."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert len(graphs) == 1
+    return out, graphs[0]
+
+
+@needs_nested_regions
+def test_inside_a_whole_model_compile_the_blocks_are_one_reused_subgraph():
+    torch.manual_seed(0)
+    model = Stack(blocks=4).eval()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    compile_regions(model)
+    out, graph = _compile_recording(model, x)
+    calls = _invoke_subgraph_calls(graph)
+    assert len(calls) == 4
+    # every call runs the subgraph traced for the first block...
+    assert len({call.args[0].target for call in calls}) == 1
+    # ...with its own block's parameters
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_with_activation_checkpointing_inside_the_regions(engine, whole_model_losses):
+    # compiled dropout draws other numbers than eager dropout, so compare with compiled losses
+    losses, _ = train_losses(engine, activation_checkpointing=Block, compile_regions=True)
+    torch.testing.assert_close(losses, whole_model_losses, rtol=2e-6, atol=1e-6)
+
+
+def test_state_dict_unchanged_and_idempotent():
+    model = Stack()
+    keys = list(model.state_dict())
+    assert compile_regions(model) == ["blocks.0", "blocks.1", "blocks.2"]
+    forward = model.blocks[0].forward
+    assert compile_regions(model, Block) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert model.blocks[0].forward is forward  # not wrapped twice
+    assert list(model.state_dict()) == keys
+    Stack().load_state_dict(model.state_dict())
 
 
 def test_errors_say_what_to_change():
@@ -44,3 +126,7 @@ def test_errors_say_what_to_change():
         compile_regions(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="nn.Module subclasses"):
         compile_regions(Stack(), [1])
+    with pytest.raises(ValueError, match="no submodule of type"):
+        compile_regions(Stack(), torch.nn.Conv2d)
+    with pytest.raises(ValueError, match="name its blocks"):
+        compile_regions(Stack(), Stack)
