@@ -137,6 +137,12 @@ def test_fsdp2_equals_one_process_at_twice_the_batch(launches, name):
         torch.testing.assert_close(run["train_loss_epoch"], reference["train_loss_epoch"], rtol=RTOL, atol=ATOL)
 
 
+def test_the_clip_threshold_bites(launches):
+    """The clipped cases' reference differs from the unclipped one (same batches, same updates)."""
+    clipped, plain = _reference(launches, "k2"), _reference(launches, "k1")
+    assert any(not torch.allclose(clipped["weights"][k], plain["weights"][k], rtol=1e-3) for k in plain["weights"])
+
+
 def test_compiled_fsdp2_equals_eager_fsdp2(launches):
     for compiled, eager in zip(_ranks(launches, "train/k2_compiled"), _ranks(launches, "train/k2")):
         for key, value in compiled["weights"].items():
