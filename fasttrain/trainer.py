@@ -117,9 +117,9 @@ class Trainer(ForwardBackwardHelper):
         recomputed in the backward instead of keeping its activations
         (:mod:`fasttrain.checkpoint_activations`).
     :param compile_regions: compile each repeated block once instead of the whole model
-        (:mod:`fasttrain.regional`): ``True`` finds the blocks, or give their classes. It shortens
-        compile time with ``engine="eager"`` (the compiled engines compile the whole step, blocks
-        included); it takes ``compile_options``.
+        (:mod:`fasttrain.regional`): ``True`` finds the blocks, or give their classes. With
+        ``engine="eager"`` each block class is compiled once; the compiled engines trace one block
+        and reuse it as a nested compile region of the whole step. It takes ``compile_options``.
     :param accelerator_kwargs: keyword arguments for accelerate's ``Accelerator``, for the
         distributed set-up: ``fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...)``,
         ``parallelism_config``, ``kwargs_handlers=[DistributedDataParallelKwargs(...)]``
