@@ -46,15 +46,16 @@ LR = 0.05
 LOADER = {"shuffle": False, "num_workers": 0}
 
 # name -> (engine, settings with two processes, settings of the one-process reference); every
-# pair takes 8 samples per optimizer update. The accumulation cases also clip by the global norm
-# (a threshold that bites: tested), so the compiled update is checked with the sharded clip's
-# collective inside; the clipping tests cover the rest of clipping.
+# pair takes 8 samples per optimizer update. The accumulation cases also clip by value and by the
+# global norm (together they change the weights: tested), so the compiled update is checked with the sharded
+# clip's collective inside; the clipping tests cover the rest of clipping.
 CLIP = 0.02
+CLIP_VALUE = 0.05
 CASES = {
     "k1": ("eager", dict(bs=4, k=1), dict(bs=8, k=1)),
-    "k2": ("eager", dict(bs=2, k=2, clip=CLIP), dict(bs=8, k=1, clip=CLIP)),
+    "k2": ("eager", dict(bs=2, k=2, clip=CLIP, clip_value=CLIP_VALUE), dict(bs=8, k=1, clip=CLIP, clip_value=CLIP_VALUE)),
     # compiling dominates the launch: one compiled case, with accumulation, clipping and evaluation
-    "k2_compiled": ("compiled", dict(bs=2, k=2, clip=CLIP), dict(bs=8, k=1, clip=CLIP)),
+    "k2_compiled": ("compiled", dict(bs=2, k=2, clip=CLIP, clip_value=CLIP_VALUE), dict(bs=8, k=1, clip=CLIP, clip_value=CLIP_VALUE)),
 }
 
 
@@ -206,7 +207,8 @@ def train_case(name: str, world: int) -> dict:
         warnings.simplefilter("always", RuntimeWarning)
         trainer.train(
             regression_data(N_TRAIN, 1), num_epochs=2, eval_dataset=eval_ds, per_device_batch_size=cfg["bs"],
-            gradient_accumulation_steps=cfg["k"], gradient_clip_norm=cfg.get("clip"), train_dataloader_kwargs=LOADER,
+            gradient_accumulation_steps=cfg["k"], gradient_clip_norm=cfg.get("clip"), gradient_clip_value=cfg.get("clip_value"),
+            train_dataloader_kwargs=LOADER,
             eval_dataloader_kwargs={"num_workers": 0},
         )
     weights = full_weights(trainer)
