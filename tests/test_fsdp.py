@@ -85,7 +85,9 @@ def launches(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cpu_env = dict(env, ACCELERATE_USE_CPU="1")
+    # a compile cache of this module's own, empty at the start: the second compiled launch
+    # below starts warm from what the first wrote, as a user's second run does
+    cpu_env = dict(env, ACCELERATE_USE_CPU="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"))
     # no ACCELERATE_USE_CPU, no GPU: what accelerate does not recognise as a launch
     bad_env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
     bad_env["CUDA_VISIBLE_DEVICES"] = ""
@@ -106,10 +108,13 @@ def launches(tmp_path_factory):
     _succeed(config_launch, out / "config_file_launch.log", deadline, "accelerate launch --config_file fsdp2.yaml")
     _succeed(single, out / "one_process.log", deadline, "the single-process reference")
     _succeed(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2 (FSDP2)")
+    again = _start(_torchrun("--compiled-again", str(out)), out / "compiled_again.log", cpu_env)
+    _succeed(again, out / "compiled_again.log", time.monotonic() + LAUNCH_TIMEOUT_S, "the second compiled launch")
     loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("rank0_world2", "rank1_world2", "rank0_world1")}
     print(f"\nFSDP launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))
     loaded["bad_launch"] = (bad_code, bad_log)
+    loaded["compiled_again"] = [torch.load(out / f"compiled_again_rank{r}.pt", weights_only=False) for r in (0, 1)]
     loaded["config_file_launch"] = [
         torch.load(out / f"config_launch_rank{rank}.pt", weights_only=False) for rank in (0, 1)
     ]
@@ -141,6 +146,14 @@ def test_the_clip_threshold_bites(launches):
     """The clipped cases' reference differs from the unclipped one (same batches, same updates)."""
     clipped, plain = _reference(launches, "k2"), _reference(launches, "k1")
     assert any(not torch.allclose(clipped["weights"][k], plain["weights"][k], rtol=1e-3) for k in plain["weights"])
+
+
+def test_a_warm_compile_cache_gives_the_same_weights(launches):
+    """Shard shapes differ between the processes (the 1-row head: 1 and 0 rows); a process
+    must not reuse a graph another process compiled for its shapes (fasttrain.engine.compile_cache)."""
+    for again, first in zip(launches["compiled_again"], _ranks(launches, "train/k2_compiled")):
+        for key, value in again["weights"].items():
+            torch.testing.assert_close(value, first["weights"][key], rtol=RTOL, atol=ATOL, msg=key)
 
 
 def test_compiled_fsdp2_equals_eager_fsdp2(launches):

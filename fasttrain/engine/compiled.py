@@ -42,6 +42,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from fasttrain.engine.compile_cache import separate_compile_cache_per_process
 from fasttrain.engine.base import StepEngine
 from fasttrain.errors import StopTrainingError
 from fasttrain.engine.context import StepContext
@@ -260,6 +261,8 @@ class CompiledEngine(StepEngine):
                 # of its own, while the collectives run eagerly from the hooks on FSDP2's
                 # streams. fullgraph=True would refuse the first break and fall back to eager.
                 self.settings = dataclasses.replace(self.settings, fullgraph=False)
+                # shard shapes differ between processes: no graph from another's cache
+                separate_compile_cache_per_process()
             self._functions = compiled_functions(trainer, self.settings)
         recompile_limit.install()
         self._hits_seen = recompile_limit.hit_count()
