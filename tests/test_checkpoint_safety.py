@@ -125,6 +125,7 @@ _WORKER = textwrap.dedent(
     fresh, _ = build_trainer(model_seed=1)
     run("resume", lambda: fresh.train(**kwargs, resume_from=str(out / "good")))
     (out / f"rank{rank}.txt").write_text(" ".join(results))
+    torch.distributed.destroy_process_group()  # before exit: gloo's threads may abort it otherwise
     """
 )
 

@@ -58,3 +58,8 @@ def main(out_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+
+    # the process group ends before the interpreter does: gloo's threads torn down at exit
+    # sometimes abort the process ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -300,4 +300,9 @@ def main(argv):
 if __name__ == "__main__":
     start = time.perf_counter()
     main(sys.argv[1:])
+
+    # the process group ends before the interpreter does: gloo's threads torn down at exit
+    # sometimes abort the process ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     print(f"[fsdp_clip_worker] done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)

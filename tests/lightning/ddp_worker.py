@@ -54,3 +54,8 @@ def main(out: Path, strategy: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
+
+    # the process group ends before the interpreter does: gloo's threads torn down at exit
+    # sometimes abort the process ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
