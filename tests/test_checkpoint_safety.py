@@ -125,7 +125,13 @@ _WORKER = textwrap.dedent(
     fresh, _ = build_trainer(model_seed=1)
     run("resume", lambda: fresh.train(**kwargs, resume_from=str(out / "good")))
     (out / f"rank{rank}.txt").write_text(" ".join(results))
-    torch.distributed.destroy_process_group()  # before exit: gloo's threads may abort it otherwise
+    torch.distributed.destroy_process_group()
+    # Past this point the results are written. After caught save/load failures, the
+    # interpreter's teardown sometimes aborts in gloo ("terminate called without an active
+    # exception", about 1 run in 4 on two CPU cores, also before the group was destroyed
+    # explicitly); the exit code of the teardown is not what this test checks.
+    import os
+    os._exit(0)
     """
 )
 
