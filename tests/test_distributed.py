@@ -11,9 +11,6 @@ from __future__ import annotations
 import collections
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ DIST = REPO / "tests" / "dist"
 sys.path.insert(0, str(DIST))
 
 import scenarios  # noqa: E402
+from launching import LAUNCH_VARIABLES, finish as _finish, free_port as _free_port, start as _start  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,30 +31,12 @@ LAUNCH_TIMEOUT_S = 240
 # rank-0 vs single-process results: sums reduced in a different order, through 8-16 updates
 RTOL, ATOL = 1e-5, 1e-7
 # names of the environment variables a launcher sets; the reference process must not see them
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _start(cmd, log_path: Path, env) -> subprocess.Popen:
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        # a session of its own, so that a timeout can end the launcher and its workers together
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen, log_path: Path, deadline: float, what: str) -> None:
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"{what} timed out; end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed ({proc.returncode}); end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
 
 
 @pytest.fixture(scope="module")

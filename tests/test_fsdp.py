@@ -11,15 +11,13 @@ takes for one process in each (that launch must fail in both processes, quickly)
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from launching import LAUNCH_VARIABLES, finish as _succeed, free_port as _free_port, start as _start, wait as _wait  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "fsdp_worker.py"
@@ -31,7 +29,6 @@ BAD_LAUNCH_TIMEOUT_S = 90
 # two processes against one: sums reduced in another order (all-reduce of shards, mean over
 # processes), through 8 AdamW updates, fp32
 RTOL, ATOL = 1e-5, 1e-6
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 CASES = ("k1", "k2", "k2_compiled")
 # what docs/distributed.md shows, for two processes
 FSDP2_CONFIG = """\
@@ -48,10 +45,6 @@ fsdp_config:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(*args) -> list:
@@ -59,25 +52,10 @@ def _torchrun(*args) -> list:
             "--master_port", str(_free_port()), str(WORKER), *args]
 
 
-def _start(cmd, log_path: Path, env) -> subprocess.Popen:
-    with open(log_path, "wb") as log:
-        # a session of its own, so that a timeout ends the launcher and its workers together
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait(proc: subprocess.Popen, log_path: Path, deadline: float, what: str) -> int:
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"{what} timed out; end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
-    return proc.returncode
 
 
-def _succeed(proc, log_path, deadline, what) -> None:
-    if _wait(proc, log_path, deadline, what) != 0:
-        pytest.fail(f"{what} failed ({proc.returncode}); end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
 
 
 @pytest.fixture(scope="module")

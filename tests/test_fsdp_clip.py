@@ -8,9 +8,6 @@ save their results, which the tests below compare.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,36 +20,20 @@ WORKER = REPO / "tests" / "dist" / "fsdp_clip_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 
 import fsdp_clip_worker as W  # noqa: E402
+from launching import LAUNCH_VARIABLES, finish as _finish, free_port as _free_port, start as _start  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 LAUNCH_TIMEOUT_S = 240
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 # two processes vs one: the same fp32 sums in other orders (reduce-scatter, shard-wise sums of
 # squares), through 12 Adam updates: observed <= 3e-7 relative
 RTOL, ATOL = 1e-5, 1e-7
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _start(cmd, log_path: Path, env) -> subprocess.Popen:
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen, log_path: Path, deadline: float, what: str) -> None:
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"{what} timed out; end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{what} failed ({proc.returncode}); end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
 
 
 @pytest.fixture(scope="module")

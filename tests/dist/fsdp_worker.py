@@ -425,12 +425,7 @@ if __name__ == "__main__":
     start = time.perf_counter()
     main(sys.argv[1:])
 
-    # The results are written. The interpreter's teardown sometimes aborts in gloo
-    # ("terminate called without an active exception"), even after the group is destroyed;
-    # the exit code of the teardown is not what the tests check.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from worker_exit import finish_worker
+
+    finish_worker()
     print(f"[fsdp worker] done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
