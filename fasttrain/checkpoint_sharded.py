@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from accelerate.utils import DistributedType
 
+from fasttrain.sharding import is_fsdp2
 from fasttrain.checkpoint_files import CheckpointError
 
 DCP_DIR = "dcp"
@@ -40,16 +41,14 @@ _WINDOW_REFUSED = (
 
 
 def is_sharded(trainer) -> bool:
-    """Whether ``trainer``'s prepared model is sharded (``DTensor`` parameters, FSDP2); raises
+    """Whether ``trainer``'s prepared model is sharded by FSDP2; raises
     :class:`~fasttrain.checkpointing.CheckpointError` for the sharded set-ups whose states
     fasttrain cannot write correctly."""
     if not torch.distributed.is_available():
         return False  # a torch built without torch.distributed shards nothing
     model = trainer.get_model(keep_torch_compile=False)
     _refuse_unsupported(trainer, model)
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return is_fsdp2(model)
 
 
 def _refuse_unsupported(trainer, model) -> None:

@@ -45,6 +45,7 @@ import torch
 from fasttrain.engine.compile_cache import separate_compile_cache_per_process
 from fasttrain.engine.base import StepEngine
 from fasttrain.errors import StopTrainingError
+from fasttrain.sharding import is_fsdp2
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.eager import EagerEngine
 from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
@@ -191,15 +192,6 @@ def compiled_functions(trainer, settings: CompileSettings) -> _CompiledFunctions
     if key not in per_trainer:
         per_trainer[key] = _CompiledFunctions(settings)
     return per_trainer[key]
-
-
-def is_fsdp2(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or a module inside it) is sharded by FSDP2's ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed support
-        return False
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def describe_error(error: BaseException) -> str:

@@ -40,9 +40,9 @@ from fasttrain.engine.compiled import (
     CompileSettings,
     _is_control_flow,
     describe_error,
-    is_fsdp2,
 )
 from fasttrain.engine.context import StepContext
+from fasttrain.sharding import is_fsdp2
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
 from fasttrain.engine.replay_guard import CaptureRecord

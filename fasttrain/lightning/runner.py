@@ -15,6 +15,7 @@ from accelerate import Accelerator
 
 from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
+from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.fast_log import step_logger
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
@@ -217,11 +218,8 @@ def step_module_for(module) -> "StepModule":
     """The StepModule that runs ``module``'s steps. FSDP2 shards the prepared root in place (its
     own parameters become shards of it), so a module sharded by ``fit()`` keeps that root for
     ``validate``/``test``/``predict``: a new root around it cannot be sharded again."""
-    from torch.distributed.fsdp import FSDPModule
-
     step = module.__dict__.get("_fasttrain_step_module")
-    # (the parameters alone do not tell: FSDP2 may leave the root unsharded after a forward)
-    if not isinstance(step, FSDPModule):
+    if step is None or not is_fsdp2(step):
         step = StepModule(module)
         # in the instance's __dict__, not registered as a submodule: the module's state_dict,
         # children and hooks stay as the user wrote them

@@ -140,6 +140,9 @@ def main(out: Path) -> None:
     # a sharded run's consolidated checkpoint, read by a single process in the test
     trainer = make_trainer(seed=12)
     train(trainer, num_epochs=1)
+    # after an evaluation the root module (the only FSDP2 group here) holds its parameters
+    # unsharded, as plain tensors, yet its state dict is sharded: still a sharded save
+    trainer.evaluate(dataset(), per_device_batch_size=PER_DEVICE_BATCH)
     trainer.save_checkpoint(str(out / "from_fsdp.pt"))
     trainer.save_checkpoint(str(out / "from_fsdp.safetensors"), save_optimizer=False, save_scheduler=False)
     results["saved_full"] = snapshot(trainer)
