@@ -28,6 +28,7 @@ from fasttrain.engine.context import (
 from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.torch_logs import quiet_profiler_notices
+from fasttrain.sharding import reshard_fsdp2
 from fasttrain.run_config import TrainerRunConfig, build_run_config, uneven_eval_batches_message
 
 
@@ -48,6 +49,7 @@ def prepare_run(trainer) -> None:
         set_seed(trainer.seed, device_specific=True)
     acc = trainer._accelerator
     shard_dataloaders = acc.num_processes > 1 or acc.distributed_type != DistributedType.NO
+    reshard_fsdp2(trainer.model)
     optimizer = trainer.optimizer
     if optimizer is None and acc.is_fsdp2:
         # accelerate's FSDP2 preparation refuses a model without an optimizer (it remaps the

@@ -15,3 +15,16 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
     except ImportError:  # torch built without distributed support
         return False
     return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def reshard_fsdp2(model: torch.nn.Module) -> None:
+    """Register the sharded parameters again on every FSDP2 module that holds its unsharded ones
+    (the root after an evaluation): what a run sets up from ``model.parameters()`` (accelerate's
+    optimizer remapping, the gradient clipper) must see the shards the optimizer steps."""
+    if not is_fsdp2(model):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -120,6 +120,13 @@ def test_fsdp2_equals_one_process_at_twice_the_batch(launches, name):
         torch.testing.assert_close(run["train_loss_epoch"], reference["train_loss_epoch"], rtol=RTOL, atol=ATOL)
 
 
+def test_a_second_train_after_an_evaluation_equals_one_process(launches):
+    reference = launches["rank0_world1"]["train_twice"]
+    for run in _ranks(launches, "train_twice"):
+        for key, value in run["weights"].items():
+            torch.testing.assert_close(value, reference["weights"][key], rtol=RTOL, atol=ATOL, msg=key)
+
+
 def test_the_clip_threshold_bites(launches):
     """The clipped cases' reference differs from the unclipped one (same batches, same updates)."""
     clipped, plain = _reference(launches, "k2"), _reference(launches, "k1")

@@ -190,6 +190,23 @@ def compiled_graphs() -> int:
 
 
 # ------------------------------------------------------------------------------------ scenarios
+def train_twice_case(world: int) -> dict:
+    """Two train() calls, each ending with an evaluation, the second clipping by norm: after an
+    evaluation the root group holds unsharded parameters, which the second run's set-up
+    (accelerate's optimizer remapping, the clipper) must not take for the model's."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    kwargs = {"fsdp_plugin": fsdp2_plugin()} if world > 1 else None
+    trainer = Trainer(model, nn.MSELoss(), optimizer, callbacks=(), engine="eager", accelerator_kwargs=kwargs)
+    for clip in (None, CLIP):
+        trainer.train(
+            regression_data(N_TRAIN, 1), num_epochs=1, eval_dataset=regression_data(N_EVAL, 2),
+            per_device_batch_size=8 // world, gradient_clip_norm=clip, train_dataloader_kwargs=LOADER,
+            eval_dataloader_kwargs={"num_workers": 0},
+        )
+    return {"weights": full_weights(trainer)}
+
+
 def train_case(name: str, world: int) -> dict:
     engine, multi, single = CASES[name]
     cfg = multi if world > 1 else single
@@ -409,6 +426,7 @@ def main(argv):
     for name in CASES:
         if world > 1 or CASES[name][0] == "eager":  # the reference is eager
             record(f"train/{name}", train_case, name, world)
+    record("train_twice", train_twice_case, world)
     if world > 1:
         record("later_trainer", later_trainer_case)
         record("ddp_kwargs", ddp_kwargs_case)
