@@ -3,9 +3,11 @@
     OMP_NUM_THREADS=1 python benchmarks/regional_compile.py [--blocks 12] [--model gpt2|mha] [--out FILE]
 
 Variants: ``eager`` (no compile, the baseline process cost), ``whole`` (``torch.compile(model)``),
-``regional`` (``compile_regions(model)``, blocks compiled, the rest eager: ``engine="eager"``)
-and ``whole+regions`` (``compile_regions(model)`` then ``torch.compile(model)``: the blocks are
-nested compile regions inside one whole-model graph, as under ``engine="compiled"``).
+``whole-cpp-wrapper`` (the same with Inductor's C++ wrapper), ``regional``
+(``compile_regions(model)``, blocks compiled, the rest eager: ``engine="eager"``; on the CPU its
+blocks use the C++ wrapper), ``regional-python-wrapper`` (the same with the Python wrapper) and
+``whole+regions`` (``compile_regions(model)`` then ``torch.compile(model)``: the blocks are nested
+compile regions inside one whole-model graph, as under ``engine="compiled"``).
 
 Each variant runs in its own process with its own, empty Inductor cache, so none profits from
 another's compiled kernels, and with ``TORCHINDUCTOR_COMPILE_THREADS=1``, so that every C++
@@ -30,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-VARIANTS = ("eager", "whole", "regional", "whole+regions")
+VARIANTS = ("eager", "whole", "whole-cpp-wrapper", "regional", "regional-python-wrapper", "whole+regions")
 
 
 class Block(nn.Module):
@@ -89,7 +91,7 @@ class TinyTransformer(nn.Module):
 
 
 def _run_variant(variant: str, blocks: int, model_name: str) -> dict:
-    from fasttrain.regional import compile_regions
+    from fasttrain.regional import compile_regions, cpp_wrapper_options
 
     torch.manual_seed(0)
     model = TinyTransformer(blocks, block=Block if model_name == "gpt2" else MHABlock)
@@ -97,8 +99,12 @@ def _run_variant(variant: str, blocks: int, model_name: str) -> dict:
     forward = model
     if variant in ("regional", "whole+regions"):
         compile_regions(model)
+    if variant == "regional-python-wrapper":
+        compile_regions(model, options={"cpp_wrapper": False})
     if variant in ("whole", "whole+regions"):
         forward = torch.compile(model)
+    if variant == "whole-cpp-wrapper":
+        forward = torch.compile(model, options=cpp_wrapper_options())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times, losses = [], []
     for tokens in data:
@@ -110,6 +116,19 @@ def _run_variant(variant: str, blocks: int, model_name: str) -> dict:
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    # after the compile: the steady step, median of five 10-step windows (its CPU time is taken
+    # out of the process's, which measures the compile)
+    cpu_before = time.process_time()
+    windows = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(10):
+            loss = nn.functional.cross_entropy(forward(data[0][:, :-1]).flatten(0, 1), data[0][:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        windows.append((time.perf_counter() - start) / 10)
+    steady_cpu_s = time.process_time() - cpu_before
     from torch._dynamo.utils import compile_times, counters
 
     # where the first step's time went: seconds per compile phase, summed over its calls
@@ -121,13 +140,19 @@ def _run_variant(variant: str, blocks: int, model_name: str) -> dict:
                           "compile_file")}
     own = resource.getrusage(resource.RUSAGE_SELF)
     return {"variant": variant, "step_s": times, "losses": losses, "phases_s": phases,
-            "graphs": counters["stats"]["unique_graphs"], "own_cpu_s": own.ru_utime + own.ru_stime}
+            "graphs": counters["stats"]["unique_graphs"],
+            "steady_step_ms": sorted(windows)[2] * 1e3, "steady_cpu_s": steady_cpu_s,
+            "own_cpu_s": own.ru_utime + own.ru_stime - steady_cpu_s}
 
 
-def _warm_up_toolchain() -> None:
+def _warm_up_toolchain(cpp_wrapper: bool = False) -> None:
     """Compile one unrelated one-op function: Inductor probes the CPU's vector instruction sets
-    (a few small C++ programs, kept in the Inductor cache) and builds its precompiled header."""
-    torch.compile(lambda x: (x + 1).sin())(torch.ones(8))
+    (a few small C++ programs, kept in the Inductor cache) and builds its precompiled header
+    (with ``cpp_wrapper``, also the C++ wrapper's)."""
+    from fasttrain.regional import cpp_wrapper_options
+
+    options = cpp_wrapper_options() if cpp_wrapper else None
+    torch.compile(lambda x: (x + 1).sin(), options=options)(torch.ones(8))
 
 
 def _child(args: list, env: dict) -> str:
@@ -151,7 +176,8 @@ def _in_fresh_process(variant: str, blocks: int, model_name: str, warm_toolchain
     result = json.loads(out.strip().splitlines()[-1])
     # CPU seconds of the whole process tree (start-up, the C++ compiler runs, 3 steps): on a
     # shared machine wall time also counts other people's work, CPU time does not
-    result["process_cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result["process_cpu_s"] = ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+                               - result["steady_cpu_s"])
     result["compiler_cpu_s"] = result["process_cpu_s"] - result["own_cpu_s"]
     result["kernels"] = kernels
     return result
@@ -165,20 +191,30 @@ def report(results: dict, blocks: int, model_name: str) -> str:
         return r["process_cpu_s"] - eager
 
     lines = [
-        f"| variant | first step wall (s) | process CPU (s) | compile CPU (s) | of which C++ compiler (s) "
+        f"| variant | first step wall (s) | later step (ms) | process CPU (s) | compile CPU (s) | of which C++ compiler (s) "
         "| C++ kernels | graphs | ratio whole / variant (compile CPU) | losses (3 steps) | compile phases (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in VARIANTS:
         r = results[v]
         ratio = f"{cost(base) / cost(r):.2f}x" if v != "eager" else ""
         lines.append(
-            f"| {v} | {r['step_s'][0]:.2f} | {r['process_cpu_s']:.1f} | {cost(r):.1f} | {r['compiler_cpu_s']:.1f} "
+            f"| {v} | {r['step_s'][0]:.2f} | {r['steady_step_ms']:.1f} | {r['process_cpu_s']:.1f} | {cost(r):.1f} | {r['compiler_cpu_s']:.1f} "
             f"| {r['kernels']} | {r['graphs']} | {ratio} | {', '.join(f'{l:.7f}' for l in r['losses'])} "
             f"| {r['phases_s']} |")
     worst = max(abs(a - b) for v in VARIANTS for a, b in zip(base["losses"], results[v]["losses"]))
     relative = max(abs(a - b) / abs(a) for v in VARIANTS for a, b in zip(base["losses"], results[v]["losses"]))
     lines += ["", f"Largest loss difference from whole-model compile: {worst:.2e} ({relative:.1e} relative)"]
+    fastest_whole = min(cost(results["whole"]), cost(results["whole-cpp-wrapper"]))
+    fastest_regional = min(cost(results["regional"]), cost(results["regional-python-wrapper"]))
+    lines += [
+        "",
+        "Compile CPU time, whole-model over regional:",
+        f"- each with its faster wrapper: {fastest_whole / fastest_regional:.2f}x",
+        f"- both with the Python wrapper (Inductor's default): "
+        f"{cost(results['whole']) / cost(results['regional-python-wrapper']):.2f}x",
+        f"- both with the C++ wrapper: {cost(results['whole-cpp-wrapper']) / cost(results['regional']):.2f}x",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -190,19 +226,21 @@ def main(argv=None) -> None:
     parser.add_argument("--warm-toolchain", action="store_true",
                         help="before each variant, let Inductor probe the CPU's instruction sets in its "
                              "(still kernel-free) cache, as any earlier compile on the machine has done")
-    parser.add_argument("--variant", choices=VARIANTS + ("warm-up",), help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=VARIANTS + ("warm-up", "warm-up-cpp-wrapper"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help="append the markdown result here")
     args = parser.parse_args(argv)
-    if args.variant == "warm-up":
-        _warm_up_toolchain()
+    if args.variant in ("warm-up", "warm-up-cpp-wrapper"):
+        _warm_up_toolchain(cpp_wrapper=args.variant == "warm-up-cpp-wrapper")
         return
     if args.variant:
         print(json.dumps(_run_variant(args.variant, args.blocks, args.model)))
         return
-    # the precompiled header lives outside TORCHINDUCTOR_CACHE_DIR (under $TMPDIR), shared by
-    # every process: build it now so that no variant pays for it and the order does not matter
-    with tempfile.TemporaryDirectory() as cache:
-        _child(["--variant", "warm-up"], dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
+    # the precompiled headers live outside TORCHINDUCTOR_CACHE_DIR (under $TMPDIR), shared by
+    # every process: build them now (the kernels' and the C++ wrapper's) so that no variant pays
+    # for them and the order does not matter
+    for warm_up in ("warm-up", "warm-up-cpp-wrapper"):
+        with tempfile.TemporaryDirectory() as cache:
+            _child(["--variant", warm_up], dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache))
     results = {v: _in_fresh_process(v, args.blocks, args.model, args.warm_toolchain) for v in VARIANTS}
     warm = " --warm-toolchain" if args.warm_toolchain else ""
     cache = ("Inductor cache holding only the instruction-set probes" if args.warm_toolchain

@@ -7,7 +7,9 @@ chosen block a forward with two compiled forms, shared by all blocks of its clas
 * called eagerly (``engine="eager"``), the block runs through ``torch.compile`` of its forward.
   Dynamo treats a built-in module's parameters as graph inputs (``inline_inbuilt_nn_modules``,
   torch's default), so the second and later blocks hit the first block's cache entry instead of
-  compiling; the code between blocks (embedding, head, loss) stays eager;
+  compiling; the code between blocks (embedding, head, loss) stays eager. On the CPU the block
+  compiles with Inductor's C++ wrapper (:func:`cpp_wrapper_options`) unless the compile settings
+  say otherwise, and falls back to the Python wrapper, with a warning, where that fails;
 * traced by an enclosing ``torch.compile`` (``engine="compiled"`` / ``"cudagraph"``, which
   compile the whole step), the block is a ``torch.compiler.nested_compile_region``: Dynamo
   traces the first block once and reuses that subgraph (``invoke_subgraph``) for the others, and
@@ -25,12 +27,13 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from typing import List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
 
-__all__ = ["compile_regions", "compiled_region_names", "find_repeated_blocks"]
+__all__ = ["compile_regions", "compiled_region_names", "cpp_wrapper_options", "find_repeated_blocks"]
 
 ModuleTypes = Union[Type[nn.Module], Sequence[Type[nn.Module]]]
 
@@ -78,9 +81,83 @@ class _Region:
     """The compiled forms of one block class's forward, shared by all blocks of that class."""
 
     def __init__(self, compile_kwargs: dict):
+        self.backend = _cpu_region_backend(compile_kwargs)
+        if self.backend is not None:
+            compile_kwargs = {key: value for key, value in compile_kwargs.items() if key not in ("mode", "options")}
+            compile_kwargs["backend"] = self.backend
         self.compiled = torch.compile(_private_copy(_call_block), **compile_kwargs)
         nested = getattr(torch.compiler, "nested_compile_region", None)
         self.nested = nested(_private_copy(_call_block)) if nested is not None else _call_block
+
+
+def cpp_wrapper_options() -> dict:
+    """The Inductor options regions compile with on the CPU: the C++ wrapper, built apart from
+    the kernels where this torch can (``cpp_wrapper_build_separate``: the calling code then
+    compiles without the kernels' optimisation work)."""
+    from torch._inductor import config as inductor_config
+
+    options = {"cpp_wrapper": True}
+    if hasattr(inductor_config, "cpp_wrapper_build_separate"):
+        options["cpp_wrapper_build_separate"] = True
+    return options
+
+
+class _InductorCppWrapperOnCpu:
+    """Inductor as ``torch.compile(backend="inductor", options=options)`` would run it, with
+    :func:`cpp_wrapper_options` added for graphs whose tensors are all on the CPU.
+
+    On the CPU Inductor builds every distinct kernel into a shared library of its own with the
+    C++ compiler, about a second each, and that is most of a block's compile time. With the C++
+    wrapper a graph's kernels and the code calling them are built together (two builds per block:
+    forward and backward), which costs a block a fraction of the compiler time, and its steps run
+    no slower (benchmarks/results/2026-11-23-cpu-regional-compile.md). A whole model's graph calls
+    its kernels once per block, so there the C++ code grows with depth: regions gain most from it.
+
+    The C++ wrapper does not generate every operation. The backward graph is lowered with the
+    forward (not at the first ``backward()``), so that a failure in either shows here: the graph
+    is then compiled with the Python wrapper, with a warning, and so are the later ones."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.cpp_wrapper_failed = False
+
+    def __call__(self, graph, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        if self.cpp_wrapper_failed or not _all_on_cpu(example_inputs):
+            return compile_fx(graph, example_inputs, config_patches=dict(self.options))
+        try:
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                return compile_fx(graph, example_inputs, config_patches={**cpp_wrapper_options(), **self.options})
+        except Exception as error:  # noqa: BLE001 - any failure: the Python wrapper's compile decides
+            compiled = compile_fx(graph, example_inputs, config_patches=dict(self.options))
+            self.cpp_wrapper_failed = True
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            warnings.warn(
+                f"compile_regions: Inductor's C++ wrapper could not compile a block ({reason}); "
+                "its blocks are compiled with the Python wrapper instead. Pass "
+                "options={'cpp_wrapper': False} to skip the attempt.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return compiled
+
+
+def _cpu_region_backend(compile_kwargs: dict) -> Optional[_InductorCppWrapperOnCpu]:
+    """The backend that compiles CPU blocks with the C++ wrapper, or None where the user's
+    settings leave no room for it: another backend, a ``mode`` (torch.compile takes a mode or
+    options, not both), or an explicit ``cpp_wrapper`` option."""
+    if compile_kwargs.get("backend", "inductor") != "inductor" or compile_kwargs.get("mode") not in (None, "default"):
+        return None
+    options = dict(compile_kwargs.get("options") or {})
+    if "cpp_wrapper" in options:
+        return None
+    return _InductorCppWrapperOnCpu(options)
+
+
+def _all_on_cpu(example_inputs) -> bool:
+    tensors = [value for value in example_inputs if isinstance(value, torch.Tensor)]
+    return bool(tensors) and all(tensor.device.type == "cpu" for tensor in tensors)
 
 
 class _BlockRegion:

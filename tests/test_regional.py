@@ -130,3 +130,83 @@ def test_errors_say_what_to_change():
         compile_regions(Stack(), torch.nn.Conv2d)
     with pytest.raises(ValueError, match="name its blocks"):
         compile_regions(Stack(), Stack)
+
+
+class _RecordWrappers:
+    """Which wrapper Inductor generated for each graph it compiled: True for the C++ one."""
+
+    def __init__(self, monkeypatch):
+        from torch._inductor.graph import GraphLowering
+
+        self.cpp_wrapper = []
+        compile_to_module = GraphLowering.compile_to_module
+        # lower every graph: a cached graph (from an earlier run on this machine) is not lowered
+        monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+        monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+        def recording(graph, *args, **kwargs):
+            self.cpp_wrapper.append(graph.cpp_wrapper)
+            return compile_to_module(graph, *args, **kwargs)
+
+        monkeypatch.setattr(GraphLowering, "compile_to_module", recording)
+
+
+def test_cpu_blocks_compile_with_the_cpp_wrapper_and_the_same_losses(monkeypatch, whole_model_losses):
+    torch._dynamo.reset()
+    wrappers = _RecordWrappers(monkeypatch)
+    losses, _ = train_losses("eager", compile_regions=True)
+    # one forward and one backward graph for the three blocks, both with the C++ wrapper
+    assert wrappers.cpp_wrapper == [True, True]
+    torch.testing.assert_close(losses, whole_model_losses, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile_options", [{"options": {"cpp_wrapper": False}}, {"mode": "max-autotune-no-cudagraphs"}])
+def test_the_users_wrapper_or_mode_is_kept(monkeypatch, compile_options):
+    torch._dynamo.reset()
+    wrappers = _RecordWrappers(monkeypatch)
+    # autotuning would benchmark GEMM choices on the CPU: time, not what this test is about
+    monkeypatch.setattr(torch._inductor.config, "max_autotune_gemm", False)
+    losses, _ = train_losses("eager", steps=2, compile_regions=True, compile_options=compile_options)
+    assert wrappers.cpp_wrapper == [False, False]
+    assert len(losses) == 2
+
+
+@pytest.mark.parametrize("failing", ["forward", "backward"])
+def test_falls_back_to_the_python_wrapper_where_the_cpp_one_fails(monkeypatch, whole_model_losses, failing):
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    torch._dynamo.reset()
+    wrappers = _RecordWrappers(monkeypatch)
+    create = CppWrapperCpu.create
+    fails_at = 1 if failing == "forward" else 2
+    calls = []
+
+    def unsupported(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fails_at:
+            raise NotImplementedError("codegen of this operation is not implemented for cpp wrapper")
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCpu, "create", staticmethod(unsupported))
+    with pytest.warns(RuntimeWarning, match="could not compile a block .*Python wrapper instead") as record:
+        losses, _ = train_losses("eager", compile_regions=True)
+    assert len([w for w in record if "C++ wrapper" in str(w.message)]) == 1  # tried once only
+    # the backward graph is lowered with the forward, so a failure in either shows before the
+    # step runs; then the forward, and at the first backward() its graph, without the C++ wrapper
+    tried = [True] if failing == "forward" else [True, True]
+    assert wrappers.cpp_wrapper == tried + [False, False]
+    torch.testing.assert_close(losses, whole_model_losses, rtol=2e-6, atol=1e-6)
+
+
+def test_only_graphs_wholly_on_the_cpu_get_the_cpp_wrapper():
+    from fasttrain.regional import _all_on_cpu
+
+    assert _all_on_cpu([torch.ones(1), 3])
+    assert not _all_on_cpu([torch.ones(1), torch.ones(1, device="meta")])
+    assert not _all_on_cpu([2, 3])
+
+
+def test_other_backends_get_no_inductor_options():
+    # aot_eager takes no Inductor options: passing any would fail at the first call
+    losses, _ = train_losses("eager", steps=2, compile_regions=True, compile_options={"backend": "aot_eager"})
+    assert len(losses) == 2
