@@ -130,6 +130,10 @@ class _InductorCppWrapperOnCpu:
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return compile_fx(graph, example_inputs, config_patches={**cpp_wrapper_options(), **self.options})
         except Exception as error:  # noqa: BLE001 - any failure: the Python wrapper's compile decides
+            if isinstance(error, torch._dynamo.exc.TorchDynamoException) and not isinstance(
+                error, torch._dynamo.exc.BackendCompilerFailed
+            ):
+                raise  # Dynamo's own signals (restart the analysis, skip the frame...): not ours
             compiled = compile_fx(graph, example_inputs, config_patches=dict(self.options))
             self.cpp_wrapper_failed = True
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]

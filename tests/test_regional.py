@@ -210,3 +210,25 @@ def test_other_backends_get_no_inductor_options():
     # aot_eager takes no Inductor options: passing any would fail at the first call
     losses, _ = train_losses("eager", steps=2, compile_regions=True, compile_options={"backend": "aot_eager"})
     assert len(losses) == 2
+
+
+@pytest.mark.filterwarnings("error:compile_regions")
+def test_dynamic_shapes_with_the_cpp_wrapper_same_outputs_and_gradients_as_eager(monkeypatch):
+    # Dynamo restarts its analysis from inside the backend (e.g. to turn Python scalars into
+    # tensors): that signal must reach Dynamo, not be taken for a C++ wrapper failure
+    torch._dynamo.reset()
+    wrappers = _RecordWrappers(monkeypatch)
+    torch.manual_seed(0)
+    eager = Stack().eval()
+    model = Stack().eval()
+    model.load_state_dict(eager.state_dict())
+    compile_regions(model, dynamic=True)
+    for rows in (3, 5, 7):
+        x = torch.randn(rows, 4)
+        inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        out, expected = model(inputs[0]), eager(inputs[1])
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(inputs[0].grad, inputs[1].grad)
+    assert wrappers.cpp_wrapper and all(wrappers.cpp_wrapper)
