@@ -59,6 +59,6 @@ def main(out_dir):
 if __name__ == "__main__":
     main(sys.argv[1])
 
-    from worker_exit import finish_worker
+    from worker_common import finish_worker
 
     finish_worker()

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +23,7 @@ from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
+from worker_common import CaseResults, run_worker
 from fasttrain.engine.clipping import GradientClipper
 
 N_TRAIN, IN, OUT = 48, 7, 3
@@ -261,17 +259,8 @@ def train_case(world: int, k: int = 1, nonfinite: str = "ignore", skip: bool = F
 
 
 def main(argv):
-    out_dir = Path(argv[0])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    results, timings = {"world": world}, {}
-
-    def record(key, fn, *args, **kwargs):
-        start = time.perf_counter()
-        results[key] = fn(*args, **kwargs)
-        timings[key] = time.perf_counter() - start
-        print(f"[rank {rank}/{world}] {key}: {timings[key]:.2f}s", file=sys.stderr, flush=True)
-
+    results = CaseResults()
+    record, world = results.record, results.world
     for name, case in TRAIN_CASES.items():
         case = dict(case)
         record(f"train/{name}", train_case, world, case.pop("k"), **case)
@@ -292,16 +281,8 @@ def main(argv):
         record("flag/value", flag_case, False)
         record("count/clip", train_case, world, count=True, gradient_clip_norm=0.05)
         record("count/plain", train_case, world, count=True)
-    results["timings"] = timings
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(results, out_dir / f"rank{rank}_world{world}.pt")
+    results.save(Path(argv[0]))
 
 
 if __name__ == "__main__":
-    start = time.perf_counter()
-    main(sys.argv[1:])
-
-    from worker_exit import finish_worker
-
-    finish_worker()
-    print(f"[fsdp_clip_worker] done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    run_worker(main, "fsdp_clip_worker")

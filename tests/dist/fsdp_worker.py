@@ -18,10 +18,8 @@ on a machine without GPUs: building a Trainer must raise, in every process, with
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -34,13 +32,14 @@ from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
+from scenarios import FEATURES, regression_data
+from worker_common import CaseResults, run_worker
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parents[1] / "examples" / "fsdp2_train.py"
 
 N_TRAIN = 32
 N_EVAL = 13  # odd: padded to 14 under FSDP2 (the forward all-gathers, so batches must be even)
-FEATURES = 6
 HIDDEN = 8
 LR = 0.05
 LOADER = {"shuffle": False, "num_workers": 0}
@@ -59,15 +58,7 @@ CASES = {
 }
 
 
-# ------------------------------------------------------------------------------------ data, model
-def regression_data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, FEATURES, generator=g)
-    w = torch.randn(FEATURES, 1, generator=g)
-    y = torch.sin(x @ w) + 0.1 * torch.randn(n, 1, generator=g)
-    return TensorDataset(x, y, torch.arange(n))
-
-
+# ------------------------------------------------------------------------------------ model
 class Block(nn.Module):
     """The unit FSDP2 shards on its own (``transformer_cls_names_to_wrap``)."""
 
@@ -370,13 +361,6 @@ def run_example() -> dict:
     }
 
 
-@contextlib.contextmanager
-def timed(key, timings):
-    start = time.perf_counter()
-    yield
-    timings[key] = time.perf_counter() - start
-
-
 def bad_launch() -> None:
     model = nn.Linear(2, 1)
     try:
@@ -413,16 +397,8 @@ def main(argv):
         rank = int(os.environ["RANK"])
         result = train_case("k2_compiled", int(os.environ["WORLD_SIZE"]))
         return torch.save(result, Path(argv[1]) / f"compiled_again_rank{rank}.pt")
-    out_dir = Path(argv[0])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    results = {"world": world, "timings": {}}
-
-    def record(key, fn, *args):
-        with timed(key, results["timings"]):
-            results[key] = fn(*args)
-        print(f"[rank {rank}/{world}] {key}: {results['timings'][key]:.2f}s", file=sys.stderr, flush=True)
-
+    results = CaseResults()
+    record, world = results.record, results.world
     for name in CASES:
         if world > 1 or CASES[name][0] == "eager":  # the reference is eager
             record(f"train/{name}", train_case, name, world)
@@ -435,15 +411,8 @@ def main(argv):
             record(f"comm/fsdp2/k{k}", comm_case, k, True)
             record(f"comm/ddp/k{k}", comm_case, k, False)
         record("example", run_example)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(results, out_dir / f"rank{rank}_world{world}.pt")
+    results.save(Path(argv[0]))
 
 
 if __name__ == "__main__":
-    start = time.perf_counter()
-    main(sys.argv[1:])
-
-    from worker_exit import finish_worker
-
-    finish_worker()
-    print(f"[fsdp worker] done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    run_worker(main, "fsdp worker")

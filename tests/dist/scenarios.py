@@ -18,8 +18,6 @@ checks this instead of assuming it.
 
 from __future__ import annotations
 
-import contextlib
-import time
 
 import torch
 from accelerate import Accelerator
@@ -403,8 +401,3 @@ def sync_case(engine: str, k: int) -> dict:
     }
 
 
-@contextlib.contextmanager
-def timed(label: str, timings: dict):
-    start = time.perf_counter()
-    yield
-    timings[label] = time.perf_counter() - start

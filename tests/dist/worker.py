@@ -14,17 +14,14 @@ starting processes (importing torch, setting up the process group) is the slow p
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import scenarios  # noqa: E402  (needs the path above)
+from worker_common import CaseResults, run_worker  # noqa: E402
 
 EXAMPLE = HERE.parents[1] / "examples" / "ddp_train.py"
 
@@ -42,18 +39,9 @@ def run_example() -> dict:
 
 
 def main(argv):
-    out_dir = Path(argv[0])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     engines = scenarios.available_engines()
-    results = {"engines": engines, "world": world, "timings": {}}
-    timings = results["timings"]
-
-    def record(key, fn, *args):
-        with scenarios.timed(key, timings):
-            results[key] = fn(*args)
-        print(f"[rank {rank}/{world}] {key}: {timings[key]:.2f}s", file=sys.stderr, flush=True)
-
+    results = CaseResults(engines=engines)
+    record, world = results.record, results.world
     for name in scenarios.TRAIN_CASES:
         record(f"train/{name}/eager", scenarios.train_case, name, world, "eager")
     record("uneven_eval", scenarios.uneven_eval_case, world)
@@ -68,15 +56,8 @@ def main(argv):
             for name in scenarios.COMPILED_CASES:
                 record(f"train/{name}/compiled", scenarios.train_case, name, world, "compiled")
             record("syncs/k2/compiled", scenarios.sync_case, "compiled", 2)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(results, out_dir / f"rank{rank}_world{world}.pt")
+    results.save(Path(argv[0]))
 
 
 if __name__ == "__main__":
-    start = time.perf_counter()
-    main(sys.argv[1:])
-
-    from worker_exit import finish_worker
-
-    finish_worker()
-    print(f"[worker] done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    run_worker(main, "worker")

@@ -56,6 +56,6 @@ if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-    from worker_exit import finish_worker
+    from worker_common import finish_worker
 
     finish_worker()
