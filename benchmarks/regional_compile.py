@@ -106,14 +106,19 @@ def _run_variant(variant: str, blocks: int, model_name: str) -> dict:
     if variant == "whole-cpp-wrapper":
         forward = torch.compile(model, options=cpp_wrapper_options())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    times, losses = [], []
-    for tokens in data:
-        start = time.perf_counter()
+
+    def step(tokens):
         logits = forward(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        return loss
+
+    times, losses = [], []
+    for tokens in data:
+        start = time.perf_counter()
+        loss = step(tokens)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     # after the compile: the steady step, median of five 10-step windows (its CPU time is taken
@@ -123,10 +128,7 @@ def _run_variant(variant: str, blocks: int, model_name: str) -> dict:
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(10):
-            loss = nn.functional.cross_entropy(forward(data[0][:, :-1]).flatten(0, 1), data[0][:, 1:].flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            step(data[0])
         windows.append((time.perf_counter() - start) / 10)
     steady_cpu_s = time.process_time() - cpu_before
     from torch._dynamo.utils import compile_times, counters
@@ -191,7 +193,7 @@ def report(results: dict, blocks: int, model_name: str) -> str:
         return r["process_cpu_s"] - eager
 
     lines = [
-        f"| variant | first step wall (s) | later step (ms) | process CPU (s) | compile CPU (s) | of which C++ compiler (s) "
+        "| variant | first step wall (s) | later step (ms) | process CPU (s) | compile CPU (s) | of which C++ compiler (s) "
         "| C++ kernels | graphs | ratio whole / variant (compile CPU) | losses (3 steps) | compile phases (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

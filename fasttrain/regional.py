@@ -81,10 +81,10 @@ class _Region:
     """The compiled forms of one block class's forward, shared by all blocks of that class."""
 
     def __init__(self, compile_kwargs: dict):
-        self.backend = _cpu_region_backend(compile_kwargs)
-        if self.backend is not None:
+        backend = _cpu_region_backend(compile_kwargs)
+        if backend is not None:
             compile_kwargs = {key: value for key, value in compile_kwargs.items() if key not in ("mode", "options")}
-            compile_kwargs["backend"] = self.backend
+            compile_kwargs["backend"] = backend
         self.compiled = torch.compile(_private_copy(_call_block), **compile_kwargs)
         nested = getattr(torch.compiler, "nested_compile_region", None)
         self.nested = nested(_private_copy(_call_block)) if nested is not None else _call_block

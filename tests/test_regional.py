@@ -6,7 +6,6 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from fasttrain.checkpoint_activations import apply_activation_checkpointing
 from fasttrain.regional import compile_regions, compiled_region_names, find_repeated_blocks
 from model_blocks import Block, Stack, train_losses
 
