@@ -6,14 +6,8 @@ PyTorch references. Importing this package needs neither triton nor a GPU and do
 initialise CUDA. The ``*_triton`` launchers run the kernels directly, on CUDA tensors or, with
 ``TRITON_INTERPRET=1`` set before triton is imported, on CPU tensors (tests).
 """
-from .clip_norm import (
-    clip_grad_norm_,
-    clip_grad_norm_reference,
-    clip_grad_norm_triton,
-    hold_chunk_tables,
-    triton_available,
-    triton_interpreted,
-)
+from ._multi_tensor import hold_chunk_tables, triton_available, triton_interpreted
+from .clip_norm import clip_grad_norm_, clip_grad_norm_reference, clip_grad_norm_triton
 from .clip_norm_sharded import (
     clip_grad_norm_from_sumsq_,
     clip_grad_norm_from_sumsq_reference,

@@ -30,33 +30,12 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .clip_norm import (
-    DEFAULT_BLOCK,
-    DEFAULT_CHUNK,
-    _DTYPE_CODES,
-    _NUM_WARPS,
-    _check_max_norm,
-    _is_dense,
-    _result_device,
-    _triton_targets,
-    as_grad_list,
-    check_found_inf,
-    check_launch_device,
-    check_sizes,
-    chunk_table,
-    device_guard,
-    triton_can_clip,
-    warn_fallback_once,
-)
+from . import _multi_tensor as mt
+from ._multi_tensor import tl, triton  # both None where triton is not installed
+from .clip_norm import _check_max_norm, scale_to_norm_reference
 
-try:
-    import triton
-    import triton.language as tl
-
-    from .clip_norm import _scale_range, _sumsq_kernel
-except ImportError:  # the reference path below needs only torch
-    triton = None
-    tl = None
+if triton is not None:
+    from .clip_norm import _scale_block, _sumsq_kernel
 
 __all__ = [
     "clip_grad_norm_from_sumsq_",
@@ -101,31 +80,25 @@ if triton is not None:
                     tl.store(found_inf_ptr, 1.0)
         if scale != 1.0:
             # reverse order, as clip_norm._scale_kernel: the chunks pass 1 read last come first
-            chunk = num_chunks - 1 - pid
-            addr = tl.load(table_ptr + chunk)
-            n = tl.load(table_ptr + num_chunks + chunk).to(tl.int32)
-            code = tl.load(table_ptr + 2 * num_chunks + chunk)
-            if code == 0:
-                _scale_range(addr.to(tl.pointer_type(tl.float32)), n, scale, CHUNK, BLOCK, ALIGNED)
-            elif code == 1:
-                _scale_range(addr.to(tl.pointer_type(tl.float16)), n, scale, CHUNK, BLOCK, ALIGNED)
-            else:
-                _scale_range(addr.to(tl.pointer_type(tl.bfloat16)), n, scale, CHUNK, BLOCK, ALIGNED)
+            mt.walk_chunk(
+                table_ptr, num_chunks, num_chunks - 1 - pid, tl.zeros([BLOCK], dtype=tl.float32),
+                scale, 0.0, _scale_block, CHUNK, BLOCK, ALIGNED,
+            )
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def _launch_sumsq(grads: List[Tensor], chunk_size: int = DEFAULT_CHUNK, block_size: int = DEFAULT_BLOCK) -> Tensor:
+def _launch_sumsq(grads: List[Tensor], chunk_size: int = mt.DEFAULT_CHUNK, block_size: int = mt.DEFAULT_BLOCK) -> Tensor:
     device = grads[0].device
-    info = chunk_table(grads, chunk_size)
+    info = mt.chunk_table(grads, chunk_size)
     if info.num_chunks == 0:
         return torch.zeros((), dtype=torch.float32, device=device)
     partials = torch.empty(info.num_chunks, dtype=torch.float32, device=device)
-    with device_guard(device):
+    with mt.device_guard(device):
         _sumsq_kernel[(info.num_chunks,)](
             info.table, partials, info.num_chunks,
-            CHUNK=chunk_size, BLOCK=block_size, ALIGNED=info.aligned, num_warps=_NUM_WARPS,
+            CHUNK=chunk_size, BLOCK=block_size, ALIGNED=info.aligned, num_warps=mt.NUM_WARPS,
         )
     return partials.sum()
 
@@ -137,33 +110,25 @@ def _launch_scale(
     max_norm: float,
     eps: float,
     found_inf: Optional[Tensor],
-    chunk_size: int = DEFAULT_CHUNK,
-    block_size: int = DEFAULT_BLOCK,
+    chunk_size: int = mt.DEFAULT_CHUNK,
+    block_size: int = mt.DEFAULT_BLOCK,
 ) -> Tensor:
-    info = chunk_table(grads, chunk_size)
+    info = mt.chunk_table(grads, chunk_size)
     if info.num_chunks == 0:  # nothing here to scale: the norm alone, as the reference has it
         limit = max_norm_tensor if max_norm_tensor is not None else max_norm
         return clip_grad_norm_from_sumsq_reference([], sumsq, limit, eps, found_inf)
     device = grads[0].device
     norm = torch.empty((), dtype=torch.float32, device=device)
-    with device_guard(device):
+    with mt.device_guard(device):
         _scale_by_sumsq_kernel[(info.num_chunks,)](
             info.table, info.num_chunks, sumsq,
             max_norm_tensor if max_norm_tensor is not None else norm, max_norm, eps,
             norm, found_inf if found_inf is not None else norm,
             MAX_NORM_IS_TENSOR=max_norm_tensor is not None,
             HAS_FOUND_INF=found_inf is not None,
-            CHUNK=chunk_size, BLOCK=block_size, ALIGNED=info.aligned, num_warps=_NUM_WARPS,
+            CHUNK=chunk_size, BLOCK=block_size, ALIGNED=info.aligned, num_warps=mt.NUM_WARPS,
         )
     return norm
-
-
-def _check_kernel_grads(grads: Sequence[Tensor], fn_name: str) -> None:
-    for i, g in enumerate(grads):
-        if g.numel() and g.dtype not in _DTYPE_CODES:
-            raise TypeError(f"{fn_name}: grads[{i}] is {g.dtype}; kernels take fp32/fp16/bf16")
-        if g.numel() and not _is_dense(g):
-            raise ValueError(f"{fn_name}: grads[{i}] is not dense in memory; pass .contiguous()")
 
 
 def _check_sumsq(sumsq, device: Optional[torch.device], fn_name: str) -> None:
@@ -174,15 +139,15 @@ def _check_sumsq(sumsq, device: Optional[torch.device], fn_name: str) -> None:
 
 
 def grad_sumsq_triton(
-    grads: Sequence[Tensor], *, chunk_size: int = DEFAULT_CHUNK, block_size: int = DEFAULT_BLOCK
+    grads: Sequence[Tensor], *, chunk_size: int = mt.DEFAULT_CHUNK, block_size: int = mt.DEFAULT_BLOCK
 ) -> Tensor:
     """:func:`grad_sumsq` through the Triton kernels directly (CUDA, or CPU under the interpreter)."""
-    grads = as_grad_list(grads, "grad_sumsq_triton")
-    check_sizes(chunk_size, block_size)
+    grads = mt.as_grad_list(grads, "grad_sumsq_triton")
+    mt.check_sizes(chunk_size, block_size)
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    check_launch_device(grads[0].device, "grad_sumsq_triton")
-    _check_kernel_grads(grads, "grad_sumsq_triton")
+    mt.check_launch_device(grads[0].device, "grad_sumsq_triton")
+    mt.check_kernel_grads(grads, "grad_sumsq_triton")
     return _launch_sumsq(grads, chunk_size, block_size)
 
 
@@ -193,21 +158,21 @@ def clip_grad_norm_from_sumsq_triton(
     eps: float = 1e-6,
     found_inf: Optional[Tensor] = None,
     *,
-    chunk_size: int = DEFAULT_CHUNK,
-    block_size: int = DEFAULT_BLOCK,
+    chunk_size: int = mt.DEFAULT_CHUNK,
+    block_size: int = mt.DEFAULT_BLOCK,
 ) -> Tensor:
     """:func:`clip_grad_norm_from_sumsq_` through the Triton kernel directly."""
-    grads = as_grad_list(grads, "clip_grad_norm_from_sumsq_triton")
-    device = _result_device(grads, sumsq)
+    grads = mt.as_grad_list(grads, "clip_grad_norm_from_sumsq_triton")
+    device = mt.result_device(grads, sumsq)
     _check_sumsq(sumsq, device, "clip_grad_norm_from_sumsq_triton")
-    check_found_inf(found_inf, device, "clip_grad_norm_from_sumsq_triton")
+    mt.check_found_inf(found_inf, device, "clip_grad_norm_from_sumsq_triton")
     _check_max_norm(max_norm, device)
-    check_sizes(chunk_size, block_size)
+    mt.check_sizes(chunk_size, block_size)
     is_tensor = isinstance(max_norm, Tensor)
     if not grads:
         return clip_grad_norm_from_sumsq_reference([], sumsq, max_norm, eps, found_inf)
-    check_launch_device(device, "clip_grad_norm_from_sumsq_triton")
-    _check_kernel_grads(grads, "clip_grad_norm_from_sumsq_triton")
+    mt.check_launch_device(device, "clip_grad_norm_from_sumsq_triton")
+    mt.check_kernel_grads(grads, "clip_grad_norm_from_sumsq_triton")
     return _launch_scale(
         grads, sumsq, max_norm if is_tensor else None, 0.0 if is_tensor else float(max_norm), float(eps),
         found_inf, chunk_size, block_size,
@@ -238,18 +203,7 @@ def clip_grad_norm_from_sumsq_reference(
 ) -> Tensor:
     """Plain PyTorch :func:`clip_grad_norm_from_sumsq_` (no host read)."""
     norm = sumsq.detach().reshape(()).float().sqrt()
-    limit = max_norm.detach().reshape(()).float() if isinstance(max_norm, Tensor) else max_norm
-    scale = torch.clamp(limit / (norm + eps), max=1.0)
-    grads = [g for g in grads if g.numel()]
-    wide = [g for g in grads if g.dtype in (torch.float32, torch.float64)]
-    if wide:
-        torch._foreach_mul_(wide, scale)
-    for g in grads:
-        if g.dtype not in (torch.float32, torch.float64):
-            g.copy_(g.float().mul_(scale))
-    if found_inf is not None:
-        found_inf.copy_(torch.where(torch.isfinite(norm), found_inf, 1.0))
-    return norm
+    return scale_to_norm_reference([g for g in grads if g.numel()], norm, max_norm, eps, found_inf)
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,10 +221,10 @@ def _grad_sumsq_fake(grads):
 
 @_grad_sumsq_op.register_kernel("cuda")
 def _grad_sumsq_cuda(grads):
-    if triton_can_clip(grads):
+    if mt.triton_can_clip(grads):
         return _launch_sumsq(grads)
-    if _triton_targets(grads[0].device):
-        warn_fallback_once("grad_sumsq")
+    if mt.triton_targets(grads[0].device):
+        mt.warn_fallback_once("grad_sumsq")
     return grad_sumsq_reference(grads).to(grads[0].device)
 
 
@@ -294,10 +248,10 @@ def _clip_from_sumsq_fake(grads, sumsq, max_norm_tensor, max_norm, eps, found_in
 
 @_clip_from_sumsq_op.register_kernel("cuda")
 def _clip_from_sumsq_cuda(grads, sumsq, max_norm_tensor, max_norm, eps, found_inf):
-    if grads and triton_can_clip(grads):
+    if grads and mt.triton_can_clip(grads):
         return _launch_scale(grads, sumsq, max_norm_tensor, max_norm, eps, found_inf)
-    if grads and _triton_targets(grads[0].device):
-        warn_fallback_once("clip_grad_norm_from_sumsq_")
+    if grads and mt.triton_targets(grads[0].device):
+        mt.warn_fallback_once("clip_grad_norm_from_sumsq_")
     limit = max_norm_tensor if max_norm_tensor is not None else max_norm
     return clip_grad_norm_from_sumsq_reference(grads, sumsq, limit, eps, found_inf)
 
@@ -307,7 +261,7 @@ def grad_sumsq(grads: Union[Tensor, Sequence[Tensor]], device: Union[str, torch.
     tensor on their device (on ``device`` for an empty list, the CPU by default). Empty tensors
     count zero. The first half of :func:`clip_grad_norm_` for gradients whose sum must be added
     up over processes before the norm is known."""
-    grads = as_grad_list(grads, "grad_sumsq")
+    grads = mt.as_grad_list(grads, "grad_sumsq")
     if not any(g.numel() for g in grads):
         where = grads[0].device if grads else torch.device(device or "cpu")
         return torch.zeros((), dtype=torch.float32, device=where)
@@ -329,10 +283,10 @@ def clip_grad_norm_from_sumsq_(
     in :func:`clip_grad_norm_`: the flag is raised when the norm is not finite, on every process
     alike since they all see the same sum. Traceable by ``torch.compile(fullgraph=True)``.
     """
-    grads = as_grad_list(grads, "clip_grad_norm_from_sumsq_")
+    grads = mt.as_grad_list(grads, "clip_grad_norm_from_sumsq_")
     device = sumsq.device if isinstance(sumsq, Tensor) else None
     _check_sumsq(sumsq, grads[0].device if grads else None, "clip_grad_norm_from_sumsq_")
-    check_found_inf(found_inf, device, "clip_grad_norm_from_sumsq_")
+    mt.check_found_inf(found_inf, device, "clip_grad_norm_from_sumsq_")
     _check_max_norm(max_norm, device)
     if isinstance(max_norm, Tensor):
         return _clip_from_sumsq_op(grads, sumsq, max_norm, 0.0, float(eps), found_inf)

@@ -23,14 +23,8 @@ from typing import List, Optional, Union
 import torch
 from torch import Tensor
 
-from .clip_norm import _triton_targets, check_launch_device, device_guard
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-    tl = None
+from . import _multi_tensor as mt
+from ._multi_tensor import tl, triton  # both None where triton is not installed
 
 __all__ = [
     "LossCounters",
@@ -89,7 +83,7 @@ def _check(counters: Tensor, loss: Tensor, weight: Tensor, ring: Optional[Tensor
 
 
 def _launch(counters: Tensor, loss: Tensor, weight: Tensor, ring: Optional[Tensor]) -> None:
-    with device_guard(counters.device):
+    with mt.device_guard(counters.device):
         _accumulate_kernel[(1,)](
             counters, loss, weight, ring if ring is not None else counters,
             ring.numel() if ring is not None else 1, HAS_RING=ring is not None, num_warps=1,
@@ -99,7 +93,7 @@ def _launch(counters: Tensor, loss: Tensor, weight: Tensor, ring: Optional[Tenso
 def accumulate_loss_triton(counters: Tensor, loss: Tensor, weight: Tensor, ring: Optional[Tensor] = None) -> None:
     """Run the Triton kernel directly (CUDA tensors, or CPU tensors under the interpreter)."""
     _check(counters, loss, weight, ring, "accumulate_loss_triton")
-    check_launch_device(counters.device, "accumulate_loss_triton")
+    mt.check_launch_device(counters.device, "accumulate_loss_triton")
     _launch(counters, loss.detach(), weight.detach(), ring)
 
 
@@ -128,7 +122,7 @@ def _accumulate_loss_fake(counters, loss, weight, ring):
 
 @_accumulate_loss_op.register_kernel("cuda")
 def _accumulate_loss_cuda(counters, loss, weight, ring):
-    if _triton_targets(counters.device):
+    if mt.triton_targets(counters.device):
         _launch(counters, loss, weight, ring)
     else:
         accumulate_loss_reference(counters, loss, weight, ring)
@@ -190,7 +184,7 @@ class LossCounters:
 
     def decode(self, host: Tensor) -> LossSnapshot:
         """Turn a host copy of ``buffer`` (possibly a slice of a larger packed copy) into values."""
-        values = host.tolist()
+        values = host.tolist()  # SYNC(none): decodes a copy already on the host
         calls = int(values[3])
         recent: List[float] = []
         if self.ring_size:
@@ -200,5 +194,5 @@ class LossCounters:
         return LossSnapshot(values[0], values[1], values[2] > 0, calls, recent)
 
     def read(self) -> LossSnapshot:
-        # Sync point: one device-to-host copy of the whole buffer (flush intervals only).
+        # SYNC(flush): one device-to-host copy of the whole buffer, at flush intervals only
         return self.decode(self.buffer.cpu())

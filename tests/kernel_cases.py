@@ -17,13 +17,13 @@ if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and not 
 import pytest  # noqa: E402
 
 import fasttrain.kernels as K  # noqa: E402
-from fasttrain.kernels import clip_norm as _clip_norm  # noqa: E402
+from fasttrain.kernels import _multi_tensor  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
 # CPU runs of the Triton launchers need the interpreter, set up before triton was imported.
 requires_interpreter = pytest.mark.skipif(
-    not (K.triton_interpreted() and _clip_norm._MODE_CONSISTENT),
+    not (K.triton_interpreted() and _multi_tensor._MODE_CONSISTENT),
     reason="needs TRITON_INTERPRET=1 set before triton is imported (tests/conftest.py does this "
     "on machines without CUDA)",
 )
@@ -76,6 +76,14 @@ def clone_all(grads):
     return [g.clone() for g in grads]
 
 
+def params_holding(grads):
+    """Parameters whose ``.grad`` are copies of ``grads`` (for torch.nn.utils' clipping)."""
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params
+
+
 def tolerances(dtype):
     """(rtol, atol) for Triton vs reference on clipped gradients.
 
@@ -99,3 +107,55 @@ def assert_grads_close(actual, expected):
         assert a.dtype == e.dtype and a.shape == e.shape
         rtol, atol = tolerances(a.dtype)
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
+
+
+GPU_DTYPES = ["fp32", "fp16", "bf16", "mixed"]
+
+
+def gpu_grads(dtype_name, kind, extra_shapes, scale=1.0):
+    """CUDA gradients of the "mixed" shapes plus ``extra_shapes``, all of one dtype ("fp32",
+    "fp16", "bf16") or cycling through the three ("mixed"), with ``inject(..., kind)`` applied."""
+    shapes = SHAPE_CASES["mixed"] + list(extra_shapes)
+    if dtype_name == "mixed":
+        dtype = [(torch.float32, torch.float16, torch.bfloat16)[i % 3] for i in range(len(shapes))]
+    else:
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    return inject(make_grads(shapes, dtype, "cuda", scale=scale), kind)
+
+
+def capture_after_warmup(fn):
+    """Run ``fn()`` once on a side stream (it builds and caches the chunk tables), then capture
+    it in a CUDA graph holding the tables it uses. Returns ``(graph, output, held_tables)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with K.hold_chunk_tables() as held, torch.cuda.graph(graph):
+        out = fn()
+    return graph, out, held
+
+
+def assert_norm_close(actual, expected):
+    """Norms from the same fp32 squares summed in other orders or groupings; see tolerances."""
+    assert actual.dtype == torch.float32 and actual.dim() == 0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def split_in_two(grads):
+    """Two 'processes': alternate tensors, so each holds a mix of shapes and dtypes."""
+    return grads[0::2], grads[1::2]
+
+
+def clip_split(grads, max_norm, found_inf=None, triton=False, **sizes):
+    """Global-norm clipping split over two 'processes': each measures its part
+    (``grad_sumsq``), the sums are added (the all-reduce), each scales its part
+    (``clip_grad_norm_from_sumsq_``). Returns the norm both parts agree on."""
+    sumsq = K.grad_sumsq_triton if triton else K.grad_sumsq
+    scale = K.clip_grad_norm_from_sumsq_triton if triton else K.clip_grad_norm_from_sumsq_
+    parts = split_in_two(grads)
+    total = sum(sumsq(part, **sizes) for part in parts).float()
+    norms = [scale(part, total, max_norm, found_inf=found_inf, **sizes) for part in parts]
+    assert torch.equal(norms[0], norms[1]) or not torch.isfinite(norms[0])
+    return norms[0]

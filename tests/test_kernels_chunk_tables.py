@@ -4,20 +4,19 @@ import gc
 import weakref
 
 import kernel_cases as C  # first: may set TRITON_INTERPRET before triton is imported
-import pytest
 import torch
 
 import fasttrain.kernels as K
-from fasttrain.kernels import clip_norm
+from fasttrain.kernels import _multi_tensor as multi_tensor
 
-CACHE = clip_norm._TABLE_CACHE_SIZE
+CACHE = multi_tensor._TABLE_CACHE_SIZE
 
 
 def _flood_cache():
     # more distinct gradient sets than the cache keeps; kept alive so no address is reused
     others = [[torch.ones(5 + i)] for i in range(CACHE + 4)]
     for grads in others:
-        clip_norm.chunk_table(grads, 256)
+        multi_tensor.chunk_table(grads, 256)
     return others
 
 
@@ -25,15 +24,15 @@ def _evicted_table(hold: bool):
     grads = [torch.randn(300), torch.randn(7)]
     if hold:
         with K.hold_chunk_tables() as held:
-            table = clip_norm.chunk_table(grads, 256)
+            table = multi_tensor.chunk_table(grads, 256)
     else:
-        held, table = [], clip_norm.chunk_table(grads, 256)
+        held, table = [], multi_tensor.chunk_table(grads, 256)
     ref = weakref.ref(table.table)
     assert not hold or held == [table]
     del table
     others = _flood_cache()
     gc.collect()
-    assert all(entry.table is not ref() for entry in clip_norm._TABLE_CACHE.values())  # evicted
+    assert all(entry.table is not ref() for entry in multi_tensor._TABLE_CACHE.values())  # evicted
     return grads, held, ref, others
 
 
@@ -53,12 +52,12 @@ def test_a_held_table_survives_eviction_and_still_describes_the_gradients():
 
 def test_holders_collect_cache_hits_once_and_only_inside_the_block():
     grads = [torch.randn(40)]
-    first = clip_norm.chunk_table(grads, 256)
+    first = multi_tensor.chunk_table(grads, 256)
     with K.hold_chunk_tables() as outer:
         with K.hold_chunk_tables() as inner:
-            assert clip_norm.chunk_table(grads, 256) is first
-        clip_norm.chunk_table(grads, 256)
-    clip_norm.chunk_table([torch.randn(3)], 256)
+            assert multi_tensor.chunk_table(grads, 256) is first
+        multi_tensor.chunk_table(grads, 256)
+    multi_tensor.chunk_table([torch.randn(3)], 256)
     assert inner == [first] and outer == [first]
 
 
@@ -83,7 +82,7 @@ def test_the_captured_step_keeps_the_tables_its_capture_used(monkeypatch):
         def _capture(self, body):
             # stands in for the clip kernel, which builds or fetches the table on the CPU side
             grads = [p.grad for p in self.trainer.model.parameters()]
-            self.table = clip_norm.chunk_table(grads, 256)
+            self.table = multi_tensor.chunk_table(grads, 256)
             return super()._capture(body)
 
     monkeypatch.setitem(ENGINES, "cudagraph", TableUsingCapture)

@@ -18,12 +18,6 @@ def _grads(case, dtype_name, kind="finite", device="cpu", seed=0, scale=1.0):
     return C.inject(C.make_grads(shapes, dtype, device, seed, scale), kind)
 
 
-def _norm_close(actual, expected):
-    # Same fp32 sums in different orders; see kernel_cases.tolerances.
-    assert actual.dtype == torch.float32 and actual.dim() == 0
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
-
-
 # ---------------------------------------------------------------- Triton (interpreter) vs reference
 # Every shape case in fp32 and fp16 with the production launch sizes; mixed dtypes and the small
 # launch (many chunks per tensor, block tails) on the cases where they change the chunk table.
@@ -45,7 +39,7 @@ def test_triton_matches_reference(case, dtype_name, launch):
     # max_norm 1.0 clips every case here (norms are >= ~2 for any non-empty case).
     norm = K.clip_grad_norm_triton(grads, 1.0, **sizes)
     ref = K.clip_grad_norm_reference(expected, 1.0)
-    _norm_close(norm, ref)
+    C.assert_norm_close(norm, ref)
     C.assert_grads_close(grads, expected)
 
 
@@ -59,7 +53,7 @@ def test_triton_nonfinite_matches_reference_and_sets_flag(kind, dtype_name):
     found, found_ref = torch.zeros(1), torch.zeros(1)
     norm = K.clip_grad_norm_triton(grads, 1.0, found_inf=found, **C.SMALL_LAUNCH)
     ref = K.clip_grad_norm_reference(expected, 1.0, found_inf=found_ref)
-    _norm_close(norm, ref)
+    C.assert_norm_close(norm, ref)
     assert not torch.isfinite(norm)
     C.assert_grads_close(grads, expected)
     assert found.item() == 1.0 and found_ref.item() == 1.0
@@ -71,7 +65,7 @@ def test_triton_no_clip_leaves_grads_bit_identical_and_flag_alone():
     before = C.clone_all(grads)
     found = torch.ones(1)  # set by an earlier op: must stay set
     norm = K.clip_grad_norm_triton(grads, 1e6, found_inf=found, **C.SMALL_LAUNCH)
-    _norm_close(norm, K.clip_grad_norm_reference(C.clone_all(before), 1e6))
+    C.assert_norm_close(norm, K.clip_grad_norm_reference(C.clone_all(before), 1e6))
     for g, b in zip(grads, before):
         assert torch.equal(g, b)
     assert found.item() == 1.0
@@ -95,12 +89,12 @@ def test_triton_max_norm_tensor_equals_float():
 def test_triton_table_cache_reused_and_correct_after_new_tensors():
     grads = _grads("mixed", "fp32")
     K.clip_grad_norm_triton(grads, 1.0)
-    cached = len(K.clip_norm._TABLE_CACHE)
+    cached = len(K._multi_tensor._TABLE_CACHE)
     K.clip_grad_norm_triton(grads, 1.0)
-    assert len(K.clip_norm._TABLE_CACHE) == cached
+    assert len(K._multi_tensor._TABLE_CACHE) == cached
     fresh = _grads("mixed", "fp32", seed=3)
     expected = C.clone_all(fresh)
-    _norm_close(K.clip_grad_norm_triton(fresh, 1.0), K.clip_grad_norm_reference(expected, 1.0))
+    C.assert_norm_close(K.clip_grad_norm_triton(fresh, 1.0), K.clip_grad_norm_reference(expected, 1.0))
     C.assert_grads_close(fresh, expected)
 
 
@@ -108,7 +102,7 @@ def test_triton_table_cache_reused_and_correct_after_new_tensors():
 def test_triton_channels_last_grad():
     g = torch.randn(2, 3, 5, 7).to(memory_format=torch.channels_last)
     expected = g.clone()
-    _norm_close(K.clip_grad_norm_triton([g], 1.0, **C.SMALL_LAUNCH), K.clip_grad_norm_reference([expected], 1.0))
+    C.assert_norm_close(K.clip_grad_norm_triton([g], 1.0, **C.SMALL_LAUNCH), K.clip_grad_norm_reference([expected], 1.0))
     torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-7)
 
 
@@ -118,9 +112,7 @@ def test_triton_channels_last_grad():
 @pytest.mark.parametrize("kind", ["finite", "nan", "inf"])
 def test_reference_matches_torch(case, dtype_name, kind):
     grads = _grads(case, dtype_name, kind)
-    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
+    params = C.params_holding(grads)
     expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
     norm = K.clip_grad_norm_reference(grads, 1.0)
     if dtype_name == "fp16":
@@ -244,47 +236,38 @@ def test_import_does_not_initialise_cuda():
 # ---------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @C.requires_triton_gpu
-@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16", "mixed"])
+@pytest.mark.parametrize("dtype_name", C.GPU_DTYPES)
 @pytest.mark.parametrize("kind", ["finite", "nan", "inf"])
-def test_gpu_triton_matches_reference(dtype_name, kind):
-    shapes = C.SHAPE_CASES["mixed"] + [(50257, 77), (3, 100_001)]
-    if dtype_name == "mixed":
-        dtype = [(torch.float32, torch.float16, torch.bfloat16)[i % 3] for i in range(len(shapes))]
-    else:
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-    grads = C.inject(C.make_grads(shapes, dtype, "cuda", scale=0.5), kind)
+@pytest.mark.parametrize("clip", [K.clip_grad_norm_, C.clip_split], ids=["whole", "split"])
+def test_gpu_triton_matches_reference(dtype_name, kind, clip):
+    grads = C.gpu_grads(dtype_name, kind, [(50257, 77), (3, 100_001)], scale=0.5)
     expected = C.clone_all(grads)
     found, found_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
-    norm = K.clip_grad_norm_(grads, 1.0, found_inf=found)  # the custom op's CUDA kernel
+    norm = clip(grads, 1.0, found_inf=found)  # the custom ops' CUDA kernels
     ref = K.clip_grad_norm_reference(expected, 1.0, found_inf=found_ref)
-    _norm_close(norm, ref)
+    C.assert_norm_close(norm, ref)
     C.assert_grads_close(grads, expected)
     assert torch.equal(found, found_ref)
 
 
 @pytest.mark.gpu
 @C.requires_triton_gpu
-def test_gpu_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("clip", [K.clip_grad_norm_, C.clip_split], ids=["whole", "split"])
+def test_gpu_cuda_graph_capture_and_replay(clip):
     shapes = C.SHAPE_CASES["mixed"] + [(1024, 768)]
     grads = C.make_grads(shapes, C.mixed_dtypes(len(shapes)), "cuda")
     source = C.clone_all(grads)
     max_norm = torch.tensor(0.5, device="cuda")
     found = torch.zeros(1, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up builds and caches the chunk table
-        K.clip_grad_norm_(grads, max_norm, found_inf=found)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        norm = K.clip_grad_norm_(grads, max_norm, found_inf=found)
+    graph, norm, held = C.capture_after_warmup(lambda: clip(grads, max_norm, found_inf=found))
+    assert held  # the graph keeps the chunk tables it reads
     for limit in (0.5, 0.1, 100.0):
         for g, s in zip(grads, source):
             g.copy_(s)
         max_norm.fill_(limit)
         graph.replay()
         expected = C.clone_all(source)
-        _norm_close(norm, K.clip_grad_norm_reference(expected, limit))
+        C.assert_norm_close(norm, K.clip_grad_norm_reference(expected, limit))
         C.assert_grads_close(grads, expected)
     assert found.item() == 0.0
 
@@ -307,6 +290,6 @@ def test_gpu_compile_fullgraph_matches_reference():
         expected = C.clone_all(grads)
         loss = torch.tensor(limit, device="cuda")
         norm = compiled(grads, torch.tensor(limit, device="cuda"), found, counters, loss, torch.tensor(4.0, device="cuda"))
-        _norm_close(norm, K.clip_grad_norm_reference(expected, limit))
+        C.assert_norm_close(norm, K.clip_grad_norm_reference(expected, limit))
         C.assert_grads_close(grads, expected)
     torch.testing.assert_close(counters, torch.tensor([3.0, 8.0, 0.0, 2.0], device="cuda"))

@@ -75,9 +75,7 @@ def test_triton_flag_never_reset_and_negative_clip_value_like_torch():
 @pytest.mark.parametrize("kind", ["finite", "nan", "inf"])
 def test_reference_matches_torch(case, dtype_name, kind):
     grads = _grads(case, dtype_name, kind)
-    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
+    params = C.params_holding(grads)
     torch.nn.utils.clip_grad_value_(params, 0.7)
     K.clip_grad_value_reference(grads, 0.7)
     _assert_equal(grads, [p.grad for p in params])
@@ -124,15 +122,10 @@ def test_compile_fullgraph_no_graph_break():
 
 @pytest.mark.gpu
 @C.requires_triton_gpu
-@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16", "mixed"])
+@pytest.mark.parametrize("dtype_name", C.GPU_DTYPES)
 @pytest.mark.parametrize("kind", ["finite", "nan", "-inf"])
 def test_gpu_triton_matches_reference(dtype_name, kind):
-    shapes = C.SHAPE_CASES["mixed"] + [(50257, 77)]
-    if dtype_name == "mixed":
-        dtype = [(torch.float32, torch.float16, torch.bfloat16)[i % 3] for i in range(len(shapes))]
-    else:
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-    grads = C.inject(C.make_grads(shapes, dtype, "cuda"), kind)
+    grads = C.gpu_grads(dtype_name, kind, [(50257, 77)])
     expected = C.clone_all(grads)
     found, found_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     K.clip_grad_value_(grads, 0.7, found_inf=found)
@@ -148,14 +141,7 @@ def test_gpu_cuda_graph_capture_and_replay():
     grads = C.make_grads(shapes, C.mixed_dtypes(len(shapes)), "cuda")
     source = C.clone_all(grads)
     found = torch.zeros(1, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        K.clip_grad_value_(grads, 0.5, found_inf=found)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        K.clip_grad_value_(grads, 0.5, found_inf=found)
+    graph, _, _ = C.capture_after_warmup(lambda: K.clip_grad_value_(grads, 0.5, found_inf=found))
     source[-1][3, 4] = float("nan")
     for g, s in zip(grads, source):
         g.copy_(s)
