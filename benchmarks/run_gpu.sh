@@ -10,7 +10,7 @@
 #   --part check|bench|all
 #                       check: set-up, `pytest -m gpu`, engine checks (benchmarks/gpu_check.py)
 #                       bench: the bench tables of the three workloads with every peer, and the
-#                              fused-clip kernel benchmark.  all (default): both, one after the other
+#                              fused-clip and loss-gathering kernel benchmarks.  all (default): both, one after the other
 #   --out DIR           logs and results (default bench_out/<device>-<date>-<gpu>); give both
 #                       invocations the same folder (the default does, on the same day)
 #   --wheels DIR        a folder of wheels (pytorch-accelerated 0.1.61), installed without a registry
@@ -30,7 +30,8 @@ CHECK_LIMIT_S=310
 BENCH_MLP_LIMIT_S=110
 BENCH_GPT_LIMIT_S=220
 BENCH_CONVNET_LIMIT_S=120
-CLIP_LIMIT_S=60
+CLIP_LIMIT_S=45
+LOSS_ACCUM_LIMIT_S=15
 # the CPU mode's limits are these times as long
 CPU_LIMIT_FACTOR=3
 # the bench's repeats on CUDA: enough for a median with a range, within the limits above
@@ -79,7 +80,7 @@ else
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     export TRITON_INTERPRET=1
     # inductor compiles for minutes on a small CPU host; the CPU mode checks that everything runs
-    for limit in PYTEST_LIMIT_S CHECK_LIMIT_S BENCH_MLP_LIMIT_S BENCH_GPT_LIMIT_S BENCH_CONVNET_LIMIT_S CLIP_LIMIT_S; do
+    for limit in PYTEST_LIMIT_S CHECK_LIMIT_S BENCH_MLP_LIMIT_S BENCH_GPT_LIMIT_S BENCH_CONVNET_LIMIT_S CLIP_LIMIT_S LOSS_ACCUM_LIMIT_S; do
         printf -v "$limit" '%s' $(( ${!limit} * CPU_LIMIT_FACTOR ))
     done
 fi
@@ -156,6 +157,7 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
             --peers "$ALL_PEERS" --out "$OUT" --force "${args[@]}" "${BENCH_SIZE[@]}" "${BENCH_EXTRA[@]}"
     done
     step bench-clip "$CLIP_LIMIT_S" "$PY" benchmarks/kernels/bench_clip.py --device "$DEVICE" --out "$OUT" "${CLIP_SIZE[@]}"
+    step bench-loss-accum "$LOSS_ACCUM_LIMIT_S" "$PY" benchmarks/kernels/bench_loss_accum.py --device "$DEVICE" --out "$OUT" "${CLIP_SIZE[@]}"
 fi
 
 RESULT_ARGS=(--out "$OUT" --device "$DEVICE")

@@ -4,9 +4,9 @@
 
 Reads ``commands.txt`` (each invocation's command line), ``steps.tsv`` (name, exit status,
 seconds, log of every step), ``check/check.md`` (engine checks), ``logs/pytest-gpu.log``,
-the bench tables ``<workload>-<size>.md`` and ``bench_clip.md``; writes ``result.md`` in the
-folder and ``<results>/<date>-<device>.md``, which records the GPU, driver, torch and triton
-versions and the commands. Both invocations of a two-part run rewrite the whole file, so it
+the bench tables ``<workload>-<size>.md``, ``bench_clip.md`` and ``bench_loss_accum.md``;
+writes ``result.md`` in the folder and ``<results>/<date>-<device>.md``, which records the
+GPU, driver, torch and triton versions and the commands. Both invocations of a two-part run rewrite the whole file, so it
 holds whatever parts have run.
 """
 
@@ -21,6 +21,8 @@ from typing import Dict, List
 
 #: bench tables in the order they are shown
 TABLES = ("mlp-small", "mlp-tiny", "gpt-124m", "gpt-tiny", "convnet-small", "convnet-tiny")
+#: the kernel benchmarks' tables (benchmarks/kernels/<name>.py writes <name>.md) and their titles
+KERNEL_TABLES = (("bench_clip", "Fused gradient clipping"), ("bench_loss_accum", "Loss gathering"))
 
 
 def read_steps(folder: str) -> List[Dict[str, str]]:
@@ -106,9 +108,10 @@ def build(folder: str, device: str) -> tuple:
         path = os.path.join(folder, f"{table}.md")
         if os.path.exists(path):
             out += [f"## Bench: {table}", "", _drop_title(_read(path)), ""]
-    clip = os.path.join(folder, "bench_clip.md")
-    if os.path.exists(clip):
-        out += ["## Fused gradient clipping (benchmarks/kernels/bench_clip.py)", "", _drop_title(_read(clip)), ""]
+    for name, title in KERNEL_TABLES:
+        path = os.path.join(folder, f"{name}.md")
+        if os.path.exists(path):
+            out += [f"## {title} (benchmarks/kernels/{name}.py)", "", _drop_title(_read(path)), ""]
     failed = [s for s in steps if describe(s["status"]) != "ok"]
     if failed:
         out += ["## Failed", ""] + [f"- {s['name']}: {describe(s['status'])}, see `{s['log']}`" for s in failed] + [""]

@@ -30,7 +30,6 @@ calls; no bandwidth claims are made from that.
 import argparse
 import datetime
 import platform
-import re
 import statistics
 import sys
 import time
@@ -278,11 +277,10 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device; use --device cpu for the correctness run")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        sys.exit("bench_clip: triton is not installed; install it to time the fused kernels")
     import fasttrain.kernels as K
+
+    if not K.triton_available():
+        sys.exit("bench_clip: triton is not installed; install it to time the fused kernels")
 
     if device.type == "cuda" and K.triton_interpreted():
         sys.exit("bench_clip: TRITON_INTERPRET is set; unset it to time the compiled kernels")
