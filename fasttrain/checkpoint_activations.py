@@ -21,10 +21,12 @@ recomputed inside its own all-gather.
 from __future__ import annotations
 
 import functools
-from typing import List, Sequence, Type, Union
+from typing import List
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from fasttrain.blocks import ModuleTypes, as_module_types, outermost_blocks
 
 __all__ = ["apply_activation_checkpointing", "checkpointed_module_names"]
 
@@ -35,41 +37,25 @@ def _checkpointed_forward(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
-def apply_activation_checkpointing(
-    model: nn.Module,
-    module_types: Union[Type[nn.Module], Sequence[Type[nn.Module]]],
-) -> List[str]:
+def apply_activation_checkpointing(model: nn.Module, module_types: ModuleTypes) -> List[str]:
     """Checkpoint the forward of every submodule of ``model`` whose class is in
     ``module_types``, in place; returns their names. A module inside another chosen module is
     left alone (its parent's recomputation covers it), and calling this twice changes nothing."""
-    types = (module_types,) if isinstance(module_types, type) else tuple(module_types or ())
-    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
-    if bad or not types:
-        raise TypeError(
-            "activation_checkpointing takes nn.Module subclasses, e.g. "
-            f"activation_checkpointing=MyBlock or (BlockA, BlockB); got {module_types!r}"
-        )
-    chosen: List[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, types) or any(name.startswith(p + ".") for p in chosen):
-            continue
-        if name == "":
-            raise ValueError(
-                "activation_checkpointing names the model's own class: checkpointing the whole "
-                "model saves nothing (all activations are recomputed at once); name its blocks"
-            )
-        chosen.append(name)
+    option = "activation_checkpointing"
+    blocks = outermost_blocks(
+        model,
+        as_module_types(module_types, option),
+        option,
+        "checkpointing the whole model saves nothing (all activations are recomputed at once)",
+    )
+    for _, module in blocks:
         if getattr(module, _MARK, False):
             continue
         # an instance attribute shadows the class's forward; nn.Module.__call__ (and its hooks)
         # stay outside the checkpoint, as with torch's checkpoint_wrapper
         module.forward = functools.partial(_checkpointed_forward, module.forward)
         setattr(module, _MARK, True)
-    if not chosen:
-        raise ValueError(
-            f"activation_checkpointing: the model has no submodule of type {[t.__name__ for t in types]}"
-        )
-    return chosen
+    return [name for name, _ in blocks]
 
 
 def checkpointed_module_names(model: nn.Module) -> List[str]:

@@ -8,6 +8,7 @@ is refused); ``.safetensors`` files hold tensors only by construction.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -46,18 +47,17 @@ class _HashingWriter:
         self._file.flush()
 
 
-def atomic_save(obj, path) -> dict:
-    """``torch.save`` to ``path`` through a temporary file in the same directory, an ``fsync`` and
-    a rename, so ``path`` holds either its old content or the complete new one. Returns the
-    file's manifest entry (``size`` and ``sha256``)."""
-    path = Path(path)
+@contextlib.contextmanager
+def replaced_atomically(path: Path):
+    """Yields a temporary file's name in ``path``'s directory for the block to write. When the
+    block ends normally the file is ``fsync``ed and renamed to ``path``, so ``path`` holds either
+    its old content or the complete new one; when it raises, the file is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(obj, writer)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -65,6 +65,15 @@ def atomic_save(obj, path) -> dict:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_save(obj, path) -> dict:
+    """``torch.save`` to ``path`` through a temporary file in the same directory, an ``fsync`` and
+    a rename, so ``path`` holds either its old content or the complete new one. Returns the
+    file's manifest entry (``size`` and ``sha256``)."""
+    with replaced_atomically(Path(path)) as tmp, open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(obj, writer)
     return {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
@@ -124,25 +133,14 @@ def save_safetensors(state_dict: dict, path) -> None:
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"A .safetensors file holds tensors only; the state entry {name!r} is a {type(value).__name__}.")
-        value = value.detach().cpu().contiguous()
+        value = value.detach().cpu().contiguous()  # SYNC(save): the file is written from host memory
         storage = value.untyped_storage().data_ptr()
         if value.numel() and storage in storages:
             value = value.clone()  # safetensors refuses two names on one storage
         storages.add(storage)
         tensors[name] = value
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with replaced_atomically(Path(path)) as tmp:
         st.save_file(tensors, tmp, metadata={"format": "pt", "content": "model_state_dict"})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_safetensors(path) -> dict:

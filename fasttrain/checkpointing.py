@@ -51,6 +51,7 @@ from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches 
     capture_rng_state,
     capture_position,
     epoch_batches,
+    reset_run_state,
     restore_rng_state,
     resume_position,
     resume_start,
@@ -202,7 +203,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
     accelerator = trainer._accelerator
     buffer = getattr(trainer, "_train_buffer", None)
     if buffer is not None and len(buffer):
-        # SYNC: a save is a flush point, so the saved loss counters are complete and a non-finite
+        # SYNC(save): a save is a flush point, so the saved loss counters are complete and a non-finite
         # value in the steps since the last flush is seen before anything is written
         step_metrics.flush(trainer, buffer, is_epoch_end=False)
     if getattr(trainer, "_nonfinite_applied", False):
@@ -340,7 +341,7 @@ def _shared_failures(accelerator, what: str):
         error = e
     if accelerator.num_processes > 1:
         flag = torch.tensor([0.0 if error is None else 1.0], device=accelerator.device)
-        # SYNC: one gather of one number per phase of a save or load, in place of a barrier
+        # SYNC(save): one gather of one number per phase of a save or load, in place of a barrier
         failed = bool(accelerator.gather(flag).amax().item())
     else:
         failed = error is not None

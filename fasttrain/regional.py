@@ -28,14 +28,14 @@ from __future__ import annotations
 import functools
 import types
 import warnings
-from typing import List, Optional, Sequence, Tuple, Type, Union
+from typing import List, Optional, Tuple, Type
 
 import torch
 from torch import nn
 
-__all__ = ["compile_regions", "compiled_region_names", "cpp_wrapper_options", "find_repeated_blocks"]
+from fasttrain.blocks import ModuleTypes, as_module_types, outermost_blocks
 
-ModuleTypes = Union[Type[nn.Module], Sequence[Type[nn.Module]]]
+__all__ = ["compile_regions", "compiled_region_names", "cpp_wrapper_options", "find_repeated_blocks"]
 
 
 def find_repeated_blocks(model: nn.Module) -> Tuple[Type[nn.Module], ...]:
@@ -51,17 +51,6 @@ def find_repeated_blocks(model: nn.Module) -> Tuple[Type[nn.Module], ...]:
             if classes.count(cls) >= 2 and not cls.__module__.startswith("torch.") and cls not in found:
                 found.append(cls)
     return tuple(found)
-
-
-def _as_types(module_types, option: str) -> Tuple[Type[nn.Module], ...]:
-    types = (module_types,) if isinstance(module_types, type) else tuple(module_types)
-    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
-    if bad or not types:
-        raise TypeError(
-            f"{option} takes nn.Module subclasses (e.g. {option}=MyBlock or (BlockA, BlockB)); "
-            f"got {module_types!r}"
-        )
-    return types
 
 
 _MARK = "_fasttrain_compiled_region"
@@ -206,18 +195,12 @@ def compile_regions(
                 "e.g. compile_regions(model, MyBlock)"
             )
     else:
-        types_ = _as_types(module_types, "compile_regions")
+        types_ = as_module_types(module_types, "compile_regions")
+    blocks = outermost_blocks(
+        model, types_, "compile_regions", "that is whole-model compilation (torch.compile(model) or engine='compiled')"
+    )
     regions = {}
-    compiled: List[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, types_) or any(name.startswith(prefix + ".") for prefix in compiled):
-            continue
-        if name == "":
-            raise ValueError(
-                "compile_regions names the model's own class: that is whole-model compilation "
-                "(torch.compile(model) or engine='compiled'); name its blocks"
-            )
-        compiled.append(name)
+    for _, module in blocks:
         if getattr(module, _MARK, None) is not None:
             continue
         region = regions.get(type(module))
@@ -226,11 +209,7 @@ def compile_regions(
         setattr(module, _MARK, _BlockRegion(module.forward, region))
         # an instance attribute shadows the class's forward, as activation checkpointing does
         module.forward = functools.partial(_region_forward, module)
-    if not compiled:
-        raise ValueError(
-            f"compile_regions: the model has no submodule of type {[t.__name__ for t in types_]}"
-        )
-    return compiled
+    return [name for name, _ in blocks]
 
 
 def compiled_region_names(model: nn.Module) -> List[str]:

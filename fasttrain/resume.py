@@ -107,7 +107,7 @@ def restore_rng_state(state: dict, dataloader=None) -> None:
         np.random.set_state(
             (
                 np_state["kind"],
-                np_state["keys"].numpy().astype("uint32"),
+                np_state["keys"].numpy().astype("uint32"),  # SYNC(none): a loaded host tensor
                 np_state["pos"],
                 np_state["has_gauss"],
                 np_state["cached"],
@@ -203,9 +203,9 @@ def resume_position(metadata: dict) -> Optional[ResumePosition]:
     )
 
 
-def begin_training(trainer, resume_from=None) -> None:
-    """Reset the per-run state of ``trainer`` and, with ``resume_from``, load a training state
-    and remember where to continue."""
+def reset_run_state(trainer) -> None:
+    """The state one ``train()`` call builds up, as it is before the run's first step (and in a
+    new Trainer): update counts, the resume point, the epoch in progress, why the run stopped."""
     trainer._num_updates = 0
     trainer._skipped_updates = 0
     trainer._resume_position = None
@@ -215,6 +215,12 @@ def begin_training(trainer, resume_from=None) -> None:
     trainer._epoch_start_loader_iteration = None
     trainer._nonfinite_applied = False
     trainer.stop_reason = None
+
+
+def begin_training(trainer, resume_from=None) -> None:
+    """Reset the per-run state of ``trainer`` and, with ``resume_from``, load a training state
+    and remember where to continue."""
+    reset_run_state(trainer)
     trainer._run_first_epoch = trainer.run_history.current_epoch
     if resume_from is None:
         return

@@ -30,7 +30,6 @@ from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
 from fasttrain.run_config import TrainerRunConfig
-from fasttrain.step_metrics import StepMetricsBuffer
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
 from fasttrain import validation
@@ -169,11 +168,10 @@ class Trainer(ForwardBackwardHelper):
         #: why the last train() ended early: None, "nonfinite_loss", "nonfinite_gradients",
         #: "interrupted" or "stop_training_error" (a callback raised StopTrainingError)
         self.stop_reason: Optional[str] = None
+        # update counts, resume point, epoch in progress: as every train() starts them
+        checkpointing.reset_run_state(self)
         self._interrupt = signals.InterruptFlag()
         self._nonfinite = NonFiniteGuard(nonfinite)  # rebuilt by train() with the prepared optimizer
-        self._nonfinite_applied = False
-        self._epoch_in_progress = None
-        self._epoch_start_loader_iteration = None
         self.model = validation.apply_model_transforms(
             model, activation_checkpointing, compile_regions, compile_options
         )
@@ -197,11 +195,6 @@ class Trainer(ForwardBackwardHelper):
         self._step_context = None  # built with the engine by prepare.setup_engine
         self._clipper: Optional[GradientClipper] = None
         self._update_clip = None
-        self._num_updates = 0
-        self._skipped_updates = 0
-        self._resume_position = None
-        self._train_buffer: Optional[StepMetricsBuffer] = None
-        self._epoch_start_rng = None
         self._step_in_epoch = 0
         self._plain_backward = True
         self._wrapped_optimizer_needed = False

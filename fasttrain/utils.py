@@ -73,21 +73,27 @@ class DataLoaderSlice:
         return getattr(self.__dict__["dl"], name)
 
 
-def local_process_zero_only(func):
-    """Run ``func`` only on the first process of each node; the others return ``None``.
-
-    All processes wait for each other afterwards, so every process must call the function.
-    """
+def _process_zero_only(func, index: str):
+    """``func`` run only on the process whose ``PartialState().<index>`` is 0, the others
+    returning ``None``; every process then waits at a barrier."""
 
     @wraps(func)
     def wrapper(*args, **kwargs):
         result = None
-        if PartialState().local_process_index == 0:
+        if getattr(PartialState(), index) == 0:
             result = func(*args, **kwargs)
         wait_for_everyone()
         return result
 
     return wrapper
+
+
+def local_process_zero_only(func):
+    """Run ``func`` only on the first process of each node; the others return ``None``.
+
+    All processes wait for each other afterwards, so every process must call the function.
+    """
+    return _process_zero_only(func, "local_process_index")
 
 
 def local_process_zero_first(func):
@@ -111,16 +117,7 @@ def world_process_zero_only(func):
 
     All processes wait for each other afterwards, so every process must call the function.
     """
-
-    @wraps(func)
-    def wrapper(*args, **kwargs):
-        result = None
-        if PartialState().process_index == 0:
-            result = func(*args, **kwargs)
-        wait_for_everyone()
-        return result
-
-    return wrapper
+    return _process_zero_only(func, "process_index")
 
 
 class ModelEma(nn.Module):

@@ -22,30 +22,20 @@ import json
 import os
 import re
 import statistics
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-from fasttrain.bench.report import paired_ratios
+from fasttrain.bench.peers import BASELINE
+from fasttrain.bench.report import PTA, paired_ratios, rate_text
 from fasttrain.bench.runner import peer_label
 
 _BLOCK = re.compile(
     r"(?P<open><!-- bench-table: (?P<path>[^\s]+) -->\n)(?P<body>.*?)(?P<close><!-- /bench-table -->)",
     re.DOTALL,
 )
-BASELINE = "bare"
-PTA = "pytorch-accelerated"
 
 
 class ReadmeTableError(ValueError):
     """A marked table names a result file that is missing or not a ``fasttrain bench`` result."""
-
-
-def _rate(value: Optional[float]) -> str:
-    if value is None:
-        return "n/a"
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.3g}{unit}"
-    return f"{value:.3g}"
 
 
 def _range(values: List[float], spec: str = ".2f") -> str:
@@ -83,7 +73,7 @@ def render_table(result: Dict[str, object], source: str) -> str:
         rates = [1.0 / t for t in times[p["name"]]]
         vs_bare = paired_ratios(times[p["name"]], times.get(BASELINE, []))
         vs_pta = paired_ratios(times[p["name"]], times.get(PTA, []))
-        steps = f"{_rate(statistics.median(rates))} [{_rate(min(rates))}-{_rate(max(rates))}]"
+        steps = f"{rate_text(statistics.median(rates))} [{rate_text(min(rates))}-{rate_text(max(rates))}]"
         syncs = p.get("host_syncs_per_step")
         lines.append(
             f"| {label} | {steps} | {_range(vs_bare)} | {_range(vs_pta)} | "

@@ -146,7 +146,8 @@ def _fmt(value, spec: str = ".3g", none: str = "n/a") -> str:
     return format(value, spec)
 
 
-def _rate(value) -> str:
+def rate_text(value: Optional[float]) -> str:
+    """A rate in three significant digits, with k or M for thousands and millions."""
     if value is None:
         return "n/a"
     for unit, scale in (("M", 1e6), ("k", 1e3)):
@@ -174,8 +175,9 @@ def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
             syncs += f" ({_fmt(r['cuda_syncs_per_step'], '.3g')} cuda)"
         out.append([
             _label(r) + (" *" if r["notes"] else ""),
-            f"{_rate(r['steps_per_s_median'])} [{_rate(r['steps_per_s_min'])}-{_rate(r['steps_per_s_max'])}]",
-            _rate(r["items_per_s_median"]),
+            f"{rate_text(r['steps_per_s_median'])} "
+            f"[{rate_text(r['steps_per_s_min'])}-{rate_text(r['steps_per_s_max'])}]",
+            rate_text(r["items_per_s_median"]),
             _fmt(r["ratio_vs_bare"], ".2f") + (
                 f" [{r['ratio_vs_bare_min']:.2f}-{r['ratio_vs_bare_max']:.2f}]"
                 if r["ratio_vs_bare_min"] is not None else ""

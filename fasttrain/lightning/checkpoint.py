@@ -11,10 +11,12 @@ every_n_train_steps=...)``) resumes at the next batch rather than at the epoch s
 from __future__ import annotations
 
 import os
-import tempfile
+from pathlib import Path
 
 import lightning
 import torch
+
+from fasttrain.checkpoint_files import replaced_atomically
 
 
 def _progress(ready, completed, processed=None, started=None) -> dict:
@@ -89,7 +91,7 @@ def _float_hyperparams(state: dict) -> dict:
             if isinstance(value, torch.Tensor) and value.ndim == 0 and key != "params":
                 group[key] = value.item()  # SYNC(save): a checkpoint is written on the host
             elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-                group[key] = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value)
+                group[key] = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value)  # SYNC(save): as above
         groups.append(group)
     return {**state, "param_groups": groups}
 
@@ -139,18 +141,8 @@ def dump_checkpoint(lt, weights_only: bool = False) -> dict:
 
 def write(checkpoint: dict, filepath) -> None:
     """Write atomically: a crash mid-write leaves the previous file, never a truncated one."""
-    filepath = os.fspath(filepath)
-    directory = os.path.dirname(os.path.abspath(filepath))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".ckpt")
-    os.close(fd)
-    try:
+    with replaced_atomically(Path(filepath)) as tmp:
         torch.save(checkpoint, tmp)
-        os.replace(tmp, filepath)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def resolve_path(lt, ckpt_path) -> str:

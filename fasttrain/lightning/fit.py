@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
+from typing import Any, Callable, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
@@ -87,6 +88,30 @@ def _on_exception(lt, error: BaseException) -> None:
     if isinstance(error, KeyboardInterrupt):
         lt.state.status = TrainerStatus.INTERRUPTED
     lt._hooks("on_exception", error)
+
+
+def _call_and_teardown(lt, stage, run: Callable[[], Any], finish: Optional[Callable[[bool], None]] = None):
+    """``run()``'s result. When it raises, Lightning's ``on_exception`` hooks run and the error is
+    re-raised; either way ``finish(failed)`` (when given) and then the stage's teardown follow."""
+    failed = True
+    try:
+        result = run()
+        failed = False
+    except BaseException as error:
+        _on_exception(lt, error)
+        raise
+    finally:
+        if finish is not None:
+            finish(failed)
+        _teardown(lt, stage, failed)
+    return result
+
+
+def _restore_weights(lt, ckpt_path) -> None:
+    """The weights of ``ckpt_path`` ("best", "last" or a file), for an evaluation or prediction."""
+    if ckpt_path is not None:
+        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
+        ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
 
 
 def _loader(lt, given, hook: str):
@@ -219,8 +244,8 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
         else:
             clip_norm = lt.gradient_clip_val
     runner.optimizer = optimizers[0] if optimizers else None
-    failed = True
-    try:
+
+    def train():
         runner.train(
             train_loader,
             num_epochs=max(lt.max_epochs, 1),
@@ -229,15 +254,13 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
             gradient_clip_value=clip_value,
             gradient_clip_norm=clip_norm,
         )
-        failed = False
-    except BaseException as error:
-        _on_exception(lt, error)
-        raise
-    finally:
+
+    def finish(failed: bool) -> None:
         lt.training = False
         if not failed:
             hooks("on_fit_end")
-        _teardown(lt, TrainerFn.FITTING, failed)
+
+    _call_and_teardown(lt, TrainerFn.FITTING, train, finish)
 
 
 def _check_manual(lt) -> None:
@@ -272,23 +295,12 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
         lt._test_loaders = loaders
     else:
         lt._val_loaders = loaders
-    if ckpt_path is not None:
-        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
+    _restore_weights(lt, ckpt_path)
     runner = _runner(lt, None, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     runner.prepare_for_evaluation(loaders[0])
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
-    failed = True
-    try:
-        results = run_evaluation(lt, runner, stage)
-        failed = False
-    except BaseException as error:
-        _on_exception(lt, error)
-        raise
-    finally:
-        _teardown(lt, fn, failed)
-    return results
+    return _call_and_teardown(lt, fn, lambda: run_evaluation(lt, runner, stage))
 
 
 def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
@@ -299,18 +311,8 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    if ckpt_path is not None:
-        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
+    _restore_weights(lt, ckpt_path)
     runner = _runner(lt, None, "eager")
     runner.prepare_for_evaluation(loaders[0])
-    failed = True
-    try:
-        predictions = run_predict(lt, runner, loaders)
-        failed = False
-    except BaseException as error:
-        _on_exception(lt, error)
-        raise
-    finally:
-        _teardown(lt, TrainerFn.PREDICTING, failed)
+    predictions = _call_and_teardown(lt, TrainerFn.PREDICTING, lambda: run_predict(lt, runner, loaders))
     return None if return_predictions is False else predictions

@@ -78,26 +78,24 @@ class LoggerConnector:
             return None  # evaluation values reach callbacks at the evaluation's epoch end
         return results.metrics(False)
 
-    @property
-    def callback_metrics(self) -> dict:
+    def _refreshed(self, store: dict, kind: str) -> dict:
+        """``store`` with the current values of ``kind`` ("callback", "log" or "pbar") taken in."""
         metrics = self._current()
         if metrics is not None:
-            self._callback_metrics.update(metrics["callback"])
-        return self._callback_metrics
+            store.update(metrics[kind])
+        return store
+
+    @property
+    def callback_metrics(self) -> dict:
+        return self._refreshed(self._callback_metrics, "callback")
 
     @property
     def logged_metrics(self) -> dict:
-        metrics = self._current()
-        if metrics is not None:
-            self._logged_metrics.update(metrics["log"])
-        return self._logged_metrics
+        return self._refreshed(self._logged_metrics, "log")
 
     @property
     def progress_bar_metrics(self) -> dict:
-        metrics = self._current()
-        if metrics is not None:
-            self._progress_bar_metrics.update(metrics["pbar"])
-        return to_host(self._progress_bar_metrics)
+        return to_host(self._refreshed(self._progress_bar_metrics, "pbar"))
 
     def absorb(self, results, on_step: bool) -> dict:
         """Take ``results``' current values into the metric dicts; returns the logged ones."""
