@@ -175,7 +175,7 @@ def full_state_dicts(trainer, with_optimizer: bool, writers_on_every_node: bool)
 
 def _to_cpu(value):
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.cpu()  # SYNC(save): the gathered state is written from host memory
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

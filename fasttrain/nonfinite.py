@@ -108,7 +108,7 @@ class NonFiniteGuard:
     def _host_check(self) -> bool:
         if self.found_inf is None:  # no gradients this update
             return True
-        # SYNC: a non-fused optimizer cannot skip an update on the device, so the host reads the
+        # SYNC(update): a non-fused optimizer cannot skip an update on the device, so the host reads the
         # flag once per update; fused optimizers skip inside their kernel instead
         return self.found_inf.item() == 0.0
 

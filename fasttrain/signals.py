@@ -162,12 +162,13 @@ def share_stop_decisions(accelerator, interrupt: InterruptFlag, nonfinite_code: 
         dtype=torch.float64,
         device=accelerator.device,
     )
-    # SYNC: one gather of four numbers per training flush (every log_every_n_steps updates) and
-    # per evaluation epoch, in distributed runs only: a process that stopped alone would leave
-    # the others waiting in a collective, and the flushed loss is the mean over all processes
+    # One gather of four numbers per training flush (every log_every_n_steps updates) and per
+    # evaluation epoch, in distributed runs only: a process that stopped alone would leave the
+    # others waiting in a collective, and the flushed loss is the mean over all processes.
     gathered = accelerator.gather(local)
     signum, agreed_code = gathered[:, :2].amax(dim=0)
     loss_sum, count = gathered[:, 2:].sum(dim=0)
+    # SYNC(flush): the gathered numbers, read in one copy
     signum, agreed_code, loss_sum, count = torch.stack([signum, agreed_code, loss_sum, count]).tolist()
     interrupt.adopt(int(signum))
     return int(agreed_code), (loss_sum, int(count))

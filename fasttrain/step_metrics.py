@@ -97,7 +97,7 @@ class StepMetricsBuffer:
         if device_parts:
             device = device_parts[0].device
             packed = torch.cat([p.to(device) for p in device_parts])
-            # SYNC: the one batched device->host copy of the step metrics, every
+            # SYNC(flush): the one batched device->host copy of the step metrics, every
             # log_every_n_steps updates and at epoch end.
             host = packed.tolist()
         losses = host[:n]

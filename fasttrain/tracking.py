@@ -72,10 +72,10 @@ def _plain(value: Any, where: str):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
-        # Saving a checkpoint is an allowed sync point.
+        # SYNC(save): a checkpoint is written from host values
         return value.detach().cpu().tolist()
     if isinstance(value, numbers.Number) and hasattr(value, "item"):
-        return value.item()
+        return value.item()  # SYNC(none): a NumPy scalar, already on the host
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
@@ -255,14 +255,14 @@ class LossTracker:
         """The sum of ``loss * batch_size`` so far, as a host number (synchronises)."""
         if self._device_total is None:
             return self._host_total
-        return self._host_total + self._device_total.item()  # sync: epoch-end read
+        return self._host_total + self._device_total.item()  # SYNC(epoch-end): the epoch's total
 
     @property
     def running_count(self):
         """The sum of the batch sizes so far, as a host number (synchronises)."""
         if self._device_count is None:
             return self._host_count
-        count = self._device_count.item()  # sync: epoch-end read
+        count = self._device_count.item()  # SYNC(epoch-end): the epoch's total
         if isinstance(self._host_count, numbers.Integral) and float(count).is_integer():
             count = int(count)
         return self._host_count + count
@@ -273,7 +273,7 @@ class LossTracker:
         if self._device_total is None and self._device_count is None:
             total, count = self._host_total, self._host_count
         else:
-            total, count = self.totals().tolist()  # sync: epoch-end read, one copy for both
+            total, count = self.totals().tolist()  # SYNC(epoch-end): one copy for both
         if count == 0:
             return 0
         return total / count

@@ -14,8 +14,6 @@ from collections.abc import Mapping
 
 import torch
 
-ENGINE_NAMES = ("auto", "eager", "compiled", "cudagraph")
-NONFINITE_POLICIES = ("stop", "skip", "ignore")
 RESUME_DATA_SKIP = ("sampler", "replay")
 
 
@@ -35,8 +33,11 @@ def one_of(name: str, value, choices) -> None:
 
 
 def engine_name(value) -> None:
-    if value not in ENGINE_NAMES:
-        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINE_NAMES))}; got {value!r}")
+    from fasttrain.engine import ENGINES  # the engines' owner; imported when a Trainer is built
+
+    names = ("auto", *ENGINES)
+    if value not in names:
+        raise ValueError(f"engine must be one of {', '.join(map(repr, names))}; got {value!r}")
 
 
 def compile_options(options, engine: str) -> None:
@@ -51,7 +52,9 @@ def compile_options(options, engine: str) -> None:
 
 def trainer_options(*, nonfinite, interrupt_save_dir, handle_signals, resume_data_skip) -> None:
     """The reliability options of ``Trainer.__init__``."""
-    one_of("nonfinite", nonfinite, NONFINITE_POLICIES)
+    from fasttrain.nonfinite import POLICIES  # the policies' owner
+
+    one_of("nonfinite", nonfinite, POLICIES)
     one_of("resume_data_skip", resume_data_skip, RESUME_DATA_SKIP)
     if interrupt_save_dir is not None and not isinstance(interrupt_save_dir, (str, os.PathLike)):
         raise TypeError(

@@ -9,9 +9,13 @@ synchronisation on a GPU, so counting them is how the CPU test suite guards the 
 
 from __future__ import annotations
 
+import ast
 import collections
+import functools
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,12 +37,14 @@ THIS_FILE = os.path.abspath(__file__)
 
 class SyncCounter:
     """Counts host reads of tensors by who asked: ``library`` (fasttrain, kernels), ``user`` (this
-    test file); ``where`` keeps ``(file, line, method)`` of the library's calls."""
+    test file); ``where`` keeps ``(file, line, method)`` of the library's calls and ``paths`` the
+    full path of each file named there."""
 
     def __init__(self):
         self.library = 0
         self.user = 0
         self.where = collections.Counter()
+        self.paths = {}
 
 
 @pytest.fixture
@@ -52,6 +58,7 @@ def sync_counter(monkeypatch):
             if filename.startswith(LIBRARY_DIRS):
                 counter.library += 1
                 counter.where[(os.path.basename(filename), frame.f_lineno, name)] += 1
+                counter.paths[os.path.basename(filename)] = filename
             elif filename == THIS_FILE:
                 counter.user += 1
             return original(self, *args, **kwargs)
@@ -136,6 +143,8 @@ def test_syncs_only_at_flushes_and_epoch_ends(sync_counter):
     assert sync_counter.library <= budget, sync_counter.where.most_common(5)
     assert sync_counter.library / (TRAIN_STEPS + EVAL_STEPS) < 0.05, sync_counter.where.most_common(5)
     assert sync_counter.user == 0
+    untagged = [(f, line) for f, line, _ in sync_counter.where if not sync_tag(sync_counter.paths[f], line)]
+    assert not untagged, f"host reads without a '# SYNC(<cadence>): why' comment: {untagged}"
 
 
 def test_sync_count_follows_the_flush_interval(sync_counter):
@@ -177,3 +186,82 @@ def test_one_host_read_per_flush(sync_counter):
     assert sync_counter.library == 5, sync_counter.where.most_common(5)
     assert set(sync_counter.where) == {("step_metrics.py", FLUSH_READ_LINE, "tolist")}
     assert trainer.run_history.get_latest_metric("train_loss_epoch") > 0
+
+
+# ---------------------------------------------------------------- every host read says why
+#: how often a host read may happen; "none" marks a call on a tensor already on the host
+CADENCES = ("flush", "epoch-end", "save", "load", "setup", "fallback", "stop", "callback", "update", "step", "bench", "none")
+SYNC_TAG = re.compile(r"#\s*SYNC\((?P<cadence>[a-z-]+)\):\s*\S")
+#: Tensor methods that copy to the host, and the explicit device synchronisation
+HOST_READS = ("item", "tolist", "cpu", "numpy", "synchronize")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=None)
+def _statements(path):
+    """Each line's innermost enclosing statement as (first line, last line), and the file's lines."""
+    source = Path(path).read_text()
+    spans = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt):
+            for line in range(node.lineno, node.end_lineno + 1):
+                old = spans.get(line)
+                if old is None or (node.end_lineno - node.lineno) < (old[1] - old[0]):
+                    spans[line] = (node.lineno, node.end_lineno)
+    return spans, source.splitlines()
+
+
+def sync_tag(path, line):
+    """The cadence of the ``# SYNC(<cadence>): why`` comment that covers ``line``: on a line of its
+    statement up to ``line``, or in the comment block right above the statement; None if none."""
+    spans, lines = _statements(str(path))
+    first, _ = spans.get(line, (line, line))
+    candidates = lines[first - 1:line]
+    above = first - 2
+    while above >= 0 and lines[above].strip().startswith("#"):
+        candidates.append(lines[above])
+        above -= 1
+    for text in candidates:
+        match = SYNC_TAG.search(text)
+        if match:
+            return match.group("cadence")
+    return None
+
+
+def _host_reads():
+    for root in ("fasttrain", "kernels"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in HOST_READS
+                    and not node.args
+                ):
+                    # the line of the method name, where a chained call puts it
+                    yield path, node.func.end_lineno, node.func.attr
+
+
+def test_every_host_read_in_the_library_carries_a_sync_tag():
+    reads = list(_host_reads())
+    assert len(reads) >= 20  # the scan sees the library's reads (flush, epoch end, saves, ...)
+    untagged = [f"{p.relative_to(REPO)}:{line} .{name}()" for p, line, name in reads if sync_tag(p, line) is None]
+    assert not untagged, "add a '# SYNC(<cadence>): why' comment to: " + ", ".join(untagged)
+    unknown = {sync_tag(p, line) for p, line, _ in reads} - set(CADENCES)
+    assert not unknown, f"cadences must be one of {CADENCES}; found {sorted(unknown)}"
+
+
+def test_sync_tag_reads_the_statement_and_the_comment_block_above(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "x = 1\n"
+        "# SYNC(flush): one packed copy\n"
+        "# a second comment line\n"
+        "y = (x\n"
+        "     .tolist())\n"
+        "z = x.item()  # SYNC(epoch-end): once per epoch\n"
+        "w = x.item()\n"
+    )
+    assert sync_tag(path, 5) == "flush"  # the statement's comment block, from its second line
+    assert sync_tag(path, 6) == "epoch-end"
+    assert sync_tag(path, 7) is None  # a tag belongs to its own statement only

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.lr_scheduler import OneCycleLR, StepLR
 from torch.utils.data import TensorDataset
 
-from fasttrain import Trainer, TrainerPlaceholderValues, validation
+from fasttrain import Trainer, TrainerPlaceholderValues, nonfinite, validation
 from fasttrain.callbacks import SaveTrainingStateCallback
 
 FAST = settings(max_examples=40, deadline=None)
@@ -139,7 +139,7 @@ def test_placeholder_as_positional_argument_of_the_partial():
     value=st.one_of(st.text(max_size=8), st.integers(), st.none()),
 )
 def test_trainer_choices(option, value):
-    valid = {"nonfinite": validation.NONFINITE_POLICIES, "resume_data_skip": validation.RESUME_DATA_SKIP}
+    valid = {"nonfinite": nonfinite.POLICIES, "resume_data_skip": validation.RESUME_DATA_SKIP}
     if value in valid[option]:
         _trainer(**{option: value})
         return

@@ -103,7 +103,7 @@ class BareLoop(Peer):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        # SYNC: the clock read after run() returns must include the queued device work.
+        # SYNC(bench): the clock read after run() returns must include the queued device work.
         device_sync(dev)
 
 
@@ -135,7 +135,7 @@ class CompiledLoop(BareLoop):
             loss.backward()
             self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
-        # SYNC: the clock read after run() returns must include the queued device work.
+        # SYNC(bench): the clock read after run() returns must include the queued device work.
         device_sync(dev)
 
 
@@ -186,7 +186,7 @@ class CudaGraphLoop(Peer):
             self.static_x.copy_(x, non_blocking=True)
             self.static_y.copy_(y, non_blocking=True)
             self.graph.replay()
-        # SYNC: the clock read after run() returns must include the queued device work.
+        # SYNC(bench): the clock read after run() returns must include the queued device work.
         device_sync(self.device)
 
     def close(self) -> None:
@@ -239,7 +239,7 @@ class _TrainerPeer(Peer):
                 train_dataloader_kwargs=loader_kwargs(wl),
                 collate_fn=passthrough_collate,
             )
-        # SYNC: the clock read after run() returns must include the queued device work.
+        # SYNC(bench): the clock read after run() returns must include the queued device work.
         device_sync(self.device)
 
 
@@ -363,7 +363,7 @@ class LightningPeer(Peer):
             num_sanity_val_steps=0,
         )
         trainer.fit(self.module, train_dataloaders=self._loader())
-        # SYNC: the clock read after run() returns must include the queued device work.
+        # SYNC(bench): the clock read after run() returns must include the queued device work.
         device_sync(self.device)
 
     def _trainer_class(self):

@@ -296,7 +296,7 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def _time_pair(peer, warmup: int, steps: int, clock=time.perf_counter) -> float:
     """Seconds per steady-state step from one (short, long) pair of runs."""
-    # SYNC: start the clock with an idle device, so no earlier work is billed to this pair.
+    # SYNC(bench): start the clock with an idle device, so no earlier work is billed to this pair.
     device_sync(peer.device)
     t0 = clock()
     peer.run(warmup)

@@ -30,7 +30,7 @@ class PerStepNaNCheck:
         host, a device synchronisation: fasttrain calls it only for subclasses that override it.
         """
         loss = batch_output["loss"]
-        # SYNC: the user's per-step check reads the loss on the host
+        # SYNC(step): the user's per-step check reads the loss on the host (opt-in callback)
         if not bool(torch.isfinite(torch.as_tensor(loss)).all()):
             self.triggered = True
             raise StopTrainingError(f"Stopping training due to a non-finite loss in a {step} step")

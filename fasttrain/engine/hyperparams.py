@@ -201,7 +201,7 @@ class TensorHyperparams:
             return
         self.sync()
         for group, lr, betas in zip(self._groups, self._lr, self._betas):
-            # SYNC: once, when an engine falls back to eager; never in the step loop.
+            # SYNC(fallback): once, when an engine falls back to eager; never in the step loop
             group["lr"] = float(lr)
             if betas is not None:
                 group["betas"] = (float(betas[0]), float(betas[1]))
@@ -212,7 +212,7 @@ class TensorHyperparams:
             for p in group["params"]:
                 state = self.optimizer.state.get(p)
                 if state and isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].to("cpu")  # SYNC: once, at fallback
+                    state["step"] = state["step"].to("cpu")  # SYNC(fallback): once
         self._made_capturable = []
         self._groups = None
         self._lr, self._betas, self._watched = [], [], []

@@ -77,10 +77,10 @@ class Strategy:
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         if not _distributed():
             return decision
-        # SYNC(callback): a callback's decision (early stopping, saving) must agree across processes
+        # a callback's decision (early stopping, saving) must agree across processes
         flag = torch.tensor(int(bool(decision)), device=self.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
-        count = int(flag.item())
+        count = int(flag.item())  # SYNC(callback): once per decision, read after the all-reduce
         return count == dist.get_world_size() if all else count > 0
 
     def all_gather(self, tensor, group=None, sync_grads: bool = False):

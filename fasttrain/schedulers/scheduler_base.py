@@ -40,7 +40,7 @@ def set_param_group_value(group: dict, field: str, value) -> None:
 
 def _as_float(value) -> float:
     if isinstance(value, torch.Tensor):
-        # Setup-time sync, once per scheduler: the schedule's arithmetic is done on the host.
+        # SYNC(setup): once per scheduler; the schedule's arithmetic is done on the host
         return float(value.detach().cpu())
     return value
 
