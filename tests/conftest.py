@@ -27,3 +27,34 @@ def sync_counter(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, counting)
     return counts
+
+
+@pytest.fixture
+def exact_cuda():
+    """Fresh dynamo state and counters, TF32 off while the test runs so that eager and graphed
+    matmuls round alike (the graphed-engine GPU tests)."""
+    from torch._dynamo.utils import counters  # here, not above: after TRITON_INTERPRET is set
+
+    torch._dynamo.reset()
+    counters.clear()
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def original():
+    """pytorch-accelerated, as a :class:`differential_scripts.Lib` (the differential tests)."""
+    import differential_scripts as ds
+
+    return ds.load_lib(ds.ORIGINAL)
+
+
+@pytest.fixture(scope="module")
+def ours():
+    """fasttrain, as a :class:`differential_scripts.Lib` (the differential tests)."""
+    import differential_scripts as ds
+
+    return ds.load_lib(ds.FASTTRAIN)

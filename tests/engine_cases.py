@@ -1,4 +1,4 @@
-"""Models, data and a recorder shared by the engine tests (CPU) and the graphed-engine tests (GPU).
+"""Models, data, cases and a recorder shared by the engine tests (CPU) and the graphed-engine tests (GPU).
 
 Everything is tiny: on the CPU each compiled run is dominated by tracing and compiling, which
 scales with the number of graphs, not with the model.
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from fasttrain import Trainer, TrainerPlaceholderValues
+from fasttrain import Trainer, TrainerPlaceholderValues, prepare
 from fasttrain.callbacks import TrainerCallback
 
 # Models ---------------------------------------------------------------------------------------
@@ -77,6 +77,26 @@ class TinyGPT(nn.Module):
         return self.ln_f(x) @ self.tok.weight.t()
 
 
+class MeanPool(nn.Module):
+    """Accepts any number of input features (see :class:`RaggedCollate`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x.mean(dim=1, keepdim=True) * self.scale
+
+
+class HostReadingTrainer(Trainer):
+    """Reads the learning rate on the host in optimizer_step: fine eagerly and compiled (a sync),
+    impossible inside a CUDA graph."""
+
+    def optimizer_step(self):
+        super().optimizer_step()
+        self.last_lr = float(prepare.stepping_optimizer(self).param_groups[0]["lr"])
+
+
 def token_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
@@ -100,6 +120,19 @@ def token_data(n=36, vocab=32, seq=8, seed=3):
     return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
+class RaggedCollate:
+    """A collate_fn whose batches each keep a different number of features: dynamic shapes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, samples):
+        keep = 4 + len(self.calls) % 4
+        self.calls.append(keep)
+        xs = torch.stack([s[0] for s in samples])[:, :keep].contiguous()
+        return xs, torch.stack([s[1] for s in samples])
+
+
 def one_cycle(max_lr=0.05):
     return functools.partial(
         torch.optim.lr_scheduler.OneCycleLR,
@@ -117,6 +150,26 @@ def dynamo_counts():
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], counters["frames"]["total"]
+
+
+def fasttrain_warnings(caught) -> List[str]:
+    """The messages of fasttrain's own RuntimeWarnings among those ``warnings.catch_warnings(record=True)`` caught."""
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]
+
+
+class CountsCaptureFrames:
+    """Mixed in before a graphed engine class: appends the number of frames dynamo compiled during
+    each capture to ``frames_in_captures``, which each test sets to a fresh list on its class."""
+
+    frames_in_captures: List[int] = []
+
+    def _capture(self, body):
+        from torch._dynamo.utils import counters
+
+        before = counters["frames"]["total"]
+        result = super()._capture(body)
+        type(self).frames_in_captures.append(counters["frames"]["total"] - before)
+        return result
 
 
 class Recorder(TrainerCallback):
@@ -153,6 +206,21 @@ class Case:
     epochs: int = 2
     train_kwargs: dict = field(default_factory=dict)
     trainer_cls: type = Trainer
+
+
+def mlp_case(trainer_cls=Trainer, epochs=3, **train_kwargs) -> Case:
+    """The MLP with AdamW, accumulation 2, norm clipping and a one-cycle schedule; ``train_kwargs``
+    add to or replace those train() arguments."""
+    kwargs = dict(gradient_accumulation_steps=2, gradient_clip_norm=0.5, create_scheduler_fn=one_cycle())
+    kwargs.update(train_kwargs)
+    return Case(
+        model=MLP,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
+        data=vector_data,
+        epochs=epochs,
+        train_kwargs=kwargs,
+        trainer_cls=trainer_cls,
+    )
 
 
 def run(case: Case, engine: str, compile_options: Optional[dict] = None, device=None, log_every_n_steps=3, **overrides) -> Run:

@@ -186,6 +186,23 @@ def _record_metrics(run_history, metrics):
     metrics.reset()
 
 
+def _train_then_evaluate(trainer):
+    """Both metrics examples' run: two epochs with evaluation, then one evaluation on new data;
+    the metrics' tensors in the two histories as floats."""
+    kwargs = dict(NO_WORKERS)
+    trainer.train(
+        train_dataset=image_data(40, seed=0),
+        eval_dataset=image_data(16, seed=1),
+        num_epochs=2,
+        per_device_batch_size=8,
+        train_dataloader_kwargs=kwargs,
+        eval_dataloader_kwargs=kwargs,
+    )
+    trained = plain_history(history_of(trainer))
+    trainer.evaluate(dataset=image_data(16, seed=2), per_device_batch_size=16, dataloader_kwargs=kwargs)
+    return _weights(trainer.get_model()), [trained, plain_history(history_of(trainer))], {}
+
+
 def metrics_callback(lib: Lib):
     """The examples' ``ClassificationMetricsCallback``: torchmetrics updated per eval step."""
 
@@ -217,18 +234,7 @@ def example_metrics_in_callback(lib: Lib):
         callbacks=(metrics_callback(lib), *lib.trainer.DEFAULT_CALLBACKS),
         **lib.trainer_kwargs,
     )
-    kwargs = dict(NO_WORKERS)
-    trainer.train(
-        train_dataset=image_data(40, seed=0),
-        eval_dataset=image_data(16, seed=1),
-        num_epochs=2,
-        per_device_batch_size=8,
-        train_dataloader_kwargs=kwargs,
-        eval_dataloader_kwargs=kwargs,
-    )
-    trained = plain_history(history_of(trainer))
-    trainer.evaluate(dataset=image_data(16, seed=2), per_device_batch_size=16, dataloader_kwargs=kwargs)
-    return _weights(trainer.get_model()), [trained, plain_history(history_of(trainer))], {}
+    return _train_then_evaluate(trainer)
 
 
 def example_metrics_in_loop(lib: Lib):
@@ -255,18 +261,7 @@ def example_metrics_in_loop(lib: Lib):
         num_classes=NUM_CLASSES,
         **lib.trainer_kwargs,
     )
-    kwargs = dict(NO_WORKERS)
-    trainer.train(
-        train_dataset=image_data(40, seed=0),
-        eval_dataset=image_data(16, seed=1),
-        num_epochs=2,
-        per_device_batch_size=8,
-        train_dataloader_kwargs=kwargs,
-        eval_dataloader_kwargs=kwargs,
-    )
-    trained = plain_history(history_of(trainer))
-    trainer.evaluate(dataset=image_data(16, seed=2), per_device_batch_size=16, dataloader_kwargs=kwargs)
-    return _weights(trainer.get_model()), [trained, plain_history(history_of(trainer))], {}
+    return _train_then_evaluate(trainer)
 
 
 # ----------------------------------------------------------------------------- nlp/hf_bert_glue_mrpc.py

@@ -6,14 +6,46 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 #: what a surrounding launch sets and a new launch must not inherit
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+#: the result files of a worker run by :func:`run_two_and_one`: both ranks, and the plain process
+RESULT_NAMES = ("rank0_world2", "rank1_world2", "rank0_world1")
+
+
+def launch_env(**extra) -> dict:
+    """This process's environment less :data:`LAUNCH_VARIABLES`, one thread a process, unbuffered
+    output, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def torchrun_two(script: Path, *args) -> list:
+    """The command that runs ``script`` with ``args`` in two processes on this host."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(script), *map(str, args)]
+
+
+def run_two_and_one(worker: Path, out: Path, env, timeout_s: float) -> dict:
+    """``worker out`` under torchrun in two processes and, side by side, in one plain process (the
+    references); fails the test unless both succeed within ``timeout_s``. Returns what the worker
+    saved in ``out``, by :data:`RESULT_NAMES`."""
+    deadline = time.monotonic() + timeout_s
+    multi = start(torchrun_two(worker, out), out / "two_processes.log", env)
+    single = start([sys.executable, str(worker), str(out)], out / "one_process.log", env)
+    finish(single, out / "one_process.log", deadline, "the single-process reference")
+    finish(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2")
+    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RESULT_NAMES}
 
 
 def free_port() -> int:

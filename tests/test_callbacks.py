@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
 from fasttrain.callbacks import (
@@ -22,7 +21,7 @@ from fasttrain.callbacks import (
     TrainerCallback,
 )
 
-NO_WORKERS = {"num_workers": 0, "shuffle": False}
+from tiny_regression import NO_WORKERS, sum_data, tanh_mlp, train_on
 
 EVENTS = (
     "on_init_end",
@@ -42,17 +41,6 @@ EVENTS = (
     "on_evaluation_run_end",
     "on_stop_training_error",
 )
-
-
-def data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g))
-
-
-def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
 class Recorder(TrainerCallback):
@@ -77,21 +65,13 @@ for _event in EVENTS:
 
 
 def make_trainer(callbacks=(), trainer_cls=Trainer, **kwargs):
-    m = model()
+    m = tanh_mlp()
     kwargs.setdefault("seed", 0)
     return trainer_cls(m, nn.MSELoss(), torch.optim.SGD(m.parameters(), lr=0.05), callbacks=callbacks, **kwargs)
 
 
 def train(trainer, n_train=28, n_eval=12, bs=4, **kwargs):
-    kwargs.setdefault("num_epochs", 2)
-    trainer.train(
-        train_dataset=data(n_train),
-        eval_dataset=data(n_eval, seed=1) if n_eval else None,
-        per_device_batch_size=bs,
-        train_dataloader_kwargs=NO_WORKERS,
-        eval_dataloader_kwargs=NO_WORKERS,
-        **kwargs,
-    )
+    train_on(trainer, sum_data(n_train), sum_data(n_eval, seed=1) if n_eval else None, bs, **kwargs)
 
 
 def expected_training_events(epochs, train_batches, eval_batches, log_every, accumulation=1):
@@ -134,7 +114,7 @@ def test_event_order_of_evaluate():
     recorder = Recorder()
     trainer = make_trainer([recorder], log_every_n_steps=2)
     recorder.log.clear()
-    trainer.evaluate(data(20), per_device_batch_size=4, dataloader_kwargs=NO_WORKERS)
+    trainer.evaluate(sum_data(20), per_device_batch_size=4, dataloader_kwargs=NO_WORKERS)
     assert recorder.log == (
         ["on_evaluation_run_start", "on_eval_epoch_start"]
         + ["on_eval_step_start", "on_eval_step_end"] * 2
@@ -211,7 +191,7 @@ def test_callback_events_fire_after_the_trainer_hook_of_the_same_moment():
     assert log == expected
 
     log.clear()
-    trainer.evaluate(data(8), per_device_batch_size=4, dataloader_kwargs=NO_WORKERS)
+    trainer.evaluate(sum_data(8), per_device_batch_size=4, dataloader_kwargs=NO_WORKERS)
     assert log == (
         ["hook:evaluation_run_start", "on_evaluation_run_start", "hook:eval_epoch_start", "on_eval_epoch_start"]
         + eval_step * 2
@@ -432,9 +412,9 @@ def test_user_callback_reading_the_loss_every_step_still_works():
 def reference_run(n=28, bs=4, epochs=2, clip_norm=None, lr=0.05, accumulation=1):
     """Per-micro-step losses, batch sizes and per-update gradient norms of the same run written
     as a plain PyTorch loop (no shuffling, SGD)."""
-    m = model()
+    m = tanh_mlp()
     opt = torch.optim.SGD(m.parameters(), lr=lr)
-    x, y = data(n).tensors
+    x, y = sum_data(n).tensors
     losses, sizes, norms = [], [], []
     batches = [(x[i : i + bs], y[i : i + bs]) for i in range(0, n, bs)]
     for _ in range(epochs):

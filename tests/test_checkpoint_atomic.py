@@ -12,13 +12,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
-from tiny_run import build_trainer, train_kwargs, weights  # noqa: E402
+from tiny_run import SMALL, build_trainer, keep_last_two_run, train_kwargs, trained_small, weights  # noqa: E402
 
 from fasttrain import checkpointing  # noqa: E402
-from fasttrain.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback  # noqa: E402
+from fasttrain.callbacks import SaveTrainingStateCallback, TrainerCallback  # noqa: E402
 from fasttrain.checkpointing import CheckpointError  # noqa: E402
-
-SMALL = dict(num_epochs=1, eval_data=False, scheduler=False)
 
 
 class DiskFull(Exception):
@@ -49,10 +47,7 @@ def _failing_torch_save(monkeypatch, fail_on_call: int):
 
 @pytest.fixture(scope="module")
 def trained():
-    trainer, _ = build_trainer()
-    torch.manual_seed(0)
-    trainer.train(**train_kwargs(**SMALL))
-    return trainer
+    return trained_small()
 
 
 def _no_temp_files(directory: Path):
@@ -179,18 +174,7 @@ def test_failed_save_never_costs_the_newest_good_state(tmp_path, monkeypatch):
 
 
 def test_keep_last_n_continues_across_a_resume(tmp_path):
-    kwargs = dict(num_epochs=2, eval_data=False, scheduler=False)
-
-    class StopAtUpdate(TrainerCallback):
-        def on_train_step_end(self, trainer, **kw):
-            if trainer.num_updates == 4:
-                raise StopTrainingError("stop")
-
-    saver = SaveTrainingStateCallback(save_dir=str(tmp_path / "s"), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
-    first, _ = build_trainer(callbacks=[saver, StopAtUpdate()])
-    first.train(**train_kwargs(**kwargs))
+    keep_last_two_run(tmp_path / "s", stop_at_update=4)
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step_7", "step_8"]
-    saver2 = SaveTrainingStateCallback(save_dir=str(tmp_path / "s"), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
-    second, _ = build_trainer(callbacks=[saver2])
-    second.train(**train_kwargs(**kwargs), resume_from=str(tmp_path / "s" / "step_8"))
+    keep_last_two_run(tmp_path / "s", resume_from=tmp_path / "s" / "step_8")
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step_11", "step_12"]

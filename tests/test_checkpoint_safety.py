@@ -9,30 +9,23 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from tiny_run import build_trainer, train_kwargs  # noqa: E402
+from tiny_run import keep_last_two_run, trained_small  # noqa: E402
 
 from fasttrain import checkpointing  # noqa: E402
-from fasttrain.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = dict(num_epochs=1, eval_data=False, scheduler=False)
 
 
 @pytest.fixture(scope="module")
 def trained():
-    trainer, _ = build_trainer()
-    torch.manual_seed(0)
-    trainer.train(**train_kwargs(**SMALL))
-    return trainer
+    return trained_small()
 
 
 # ----------------------------------------------------------------------------- data loss
@@ -58,22 +51,11 @@ def test_saving_over_a_training_state_still_replaces_it(tmp_path, trained):
 
 
 def test_keep_last_n_after_resume_never_deletes_another_directorys_states(tmp_path):
-    kwargs = dict(num_epochs=2, eval_data=False, scheduler=False)
-
-    class StopAtUpdate(TrainerCallback):
-        def on_train_step_end(self, trainer, **kw):
-            if trainer.num_updates == 4:
-                raise StopTrainingError("stop")
-
     first_dir, second_dir = tmp_path / "run_a", tmp_path / "run_b"
-    saver = SaveTrainingStateCallback(save_dir=str(first_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
-    first, _ = build_trainer(callbacks=[saver, StopAtUpdate()])
-    first.train(**train_kwargs(**kwargs))
+    keep_last_two_run(first_dir, stop_at_update=4)
     assert sorted(p.name for p in first_dir.iterdir()) == ["step_7", "step_8"]
     # a new run, saving elsewhere, branches off run_a's newest state
-    saver2 = SaveTrainingStateCallback(save_dir=str(second_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
-    second, _ = build_trainer(callbacks=[saver2])
-    second.train(**train_kwargs(**kwargs), resume_from=str(first_dir / "step_8"))
+    keep_last_two_run(second_dir, resume_from=first_dir / "step_8")
     assert sorted(p.name for p in first_dir.iterdir()) == ["step_7", "step_8"]
     assert sorted(p.name for p in second_dir.iterdir()) == ["step_11", "step_12"]
 

@@ -18,15 +18,6 @@ pytest.importorskip("pytorch_accelerated")
 
 import differential_scripts as ds  # noqa: E402
 
-@pytest.fixture(scope="module")
-def original():
-    return ds.load_lib(ds.ORIGINAL)
-
-
-@pytest.fixture(scope="module")
-def ours():
-    return ds.load_lib(ds.FASTTRAIN)
-
 
 def assert_history_close(a: dict, b: dict, rel=1e-5):
     assert sorted(a) == sorted(b)

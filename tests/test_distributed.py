@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,43 +22,21 @@ DIST = REPO / "tests" / "dist"
 sys.path.insert(0, str(DIST))
 
 import scenarios  # noqa: E402
-from launching import LAUNCH_VARIABLES, finish as _finish, free_port as _free_port, start as _start  # noqa: E402
+from launching import launch_env, run_two_and_one  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 LAUNCH_TIMEOUT_S = 240
 # rank-0 vs single-process results: sums reduced in a different order, through 8-16 updates
 RTOL, ATOL = 1e-5, 1e-7
-# names of the environment variables a launcher sets; the reference process must not see them
-
-
-
-
-
-
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    # gloo process group on the CPU (accelerate launch --cpu starts one process only here)
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     start = time.monotonic()
-    deadline = start + LAUNCH_TIMEOUT_S
-    multi = _start(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(DIST / "worker.py"), str(out)],
-        out / "two_processes.log",
-        env,
-    )
-    single = _start([sys.executable, str(DIST / "worker.py"), str(out)], out / "one_process.log", env)
-    _finish(single, out / "one_process.log", deadline, "the single-process reference")
-    _finish(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2")
-    loaded = {
-        name: torch.load(out / f"{name}.pt", weights_only=False)
-        for name in ("rank0_world2", "rank1_world2", "rank0_world1")
-    }
+    # gloo process group on the CPU (accelerate launch --cpu starts one process only here)
+    loaded = run_two_and_one(DIST / "worker.py", out, launch_env(ACCELERATE_USE_CPU="1"), LAUNCH_TIMEOUT_S)
     print(f"\ndistributed launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))
     return loaded

@@ -10,23 +10,14 @@ import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
-from test_engine_graph_logic import AOT, HostGraphEngine, _ours, host_graphs, mlp_case  # noqa: F401
-from engine_cases import run
+from test_engine_graph_logic import AOT, HostGraphEngine, host_graphs  # noqa: F401
+from engine_cases import CountsCaptureFrames, fasttrain_warnings, mlp_case, run
 from fasttrain import Trainer
 
 
-class CountingCaptures(HostGraphEngine):
-    """Records dynamo's frame count around each capture."""
-
-    frames_in_captures = []
-
-    def _capture(self, body):
-        before = counters["frames"]["total"]
-        result = super()._capture(body)
-        CountingCaptures.frames_in_captures.append(counters["frames"]["total"] - before)
-        return result
+class CountingCaptures(CountsCaptureFrames, HostGraphEngine):
+    pass
 
 
 @pytest.mark.parametrize("nonfinite", ["stop", "skip"])
@@ -42,7 +33,7 @@ def test_nothing_compiles_during_capture_or_after_the_first_epoch(monkeypatch, n
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = run(case, "cudagraph", AOT)
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     assert len(CountingCaptures.frames_in_captures) == 3  # update, non-update, evaluation
     assert CountingCaptures.frames_in_captures == [0, 0, 0]
     after = graphed.recorder.counts_after_epoch

@@ -14,48 +14,20 @@ import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 from fasttrain.engine import ENGINES, CudaGraphEngine, recompile_limit
-from fasttrain.kernels import clip_norm
+from fasttrain.kernels import _multi_tensor as multi_tensor
 
-from engine_cases import MLP, Case, assert_runs_match, one_cycle, run, vector_data
+from engine_cases import MLP, Case, CountsCaptureFrames, assert_runs_match, fasttrain_warnings, mlp_case, run, vector_data
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("exact_cuda"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def exact_cuda():
-    torch._dynamo.reset()
-    counters.clear()
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-    torch._dynamo.reset()
-
-
-def _ours(caught):
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]
-
-
-def _case(trainer_cls=Trainer, epochs=3, **train_kwargs):
-    kwargs = dict(gradient_accumulation_steps=2, gradient_clip_norm=0.5, create_scheduler_fn=one_cycle())
-    kwargs.update(train_kwargs)
-    return Case(
-        model=MLP,
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
-        data=vector_data,
-        epochs=epochs,
-        train_kwargs=kwargs,
-        trainer_cls=trainer_cls,
-    )
 
 
 def _graphed_without_warnings(case, compile_options=None, **overrides):
@@ -63,15 +35,36 @@ def _graphed_without_warnings(case, compile_options=None, **overrides):
         warnings.simplefilter("always")
         eager = run(case, "eager", device="cuda", **overrides)
         graphed = run(case, "cudagraph", compile_options, device="cuda", **overrides)
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
     return eager, graphed
 
 
+def _eager_and_graphed_with(callback_cls):
+    """Two epochs of the MLP case on the GPU, eager and graphed, each trainer with a fresh
+    ``callback_cls()`` as its only callback (``run`` would add a recorder and evaluation)."""
+    trainers = {}
+    for engine in ("eager", "cudagraph"):
+        torch.manual_seed(0)
+        case = mlp_case(epochs=2)
+        model = case.model().cuda()
+        trainer = Trainer(model, case.loss, case.optimizer(model), engine=engine, log_every_n_steps=3,
+                          callbacks=[callback_cls()])
+        trainer.train(case.data(), 2, per_device_batch_size=8, gradient_accumulation_steps=2, gradient_clip_norm=0.5,
+                      train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
+        trainers[engine] = trainer
+    return trainers["eager"], trainers["cudagraph"]
+
+
+def _assert_same_parameters(eager, graphed):
+    for a, b in zip(eager.get_model().parameters(), graphed.get_model().parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 # item 3 -------------------------------------------------------------------------------------
 def test_reduce_overhead_runs_the_engines_own_graphs():
-    eager, graphed = _graphed_without_warnings(_case(), {"mode": "reduce-overhead"})
+    eager, graphed = _graphed_without_warnings(mlp_case(), {"mode": "reduce-overhead"})
     assert graphed.trainer._engine.settings.mode is None
     assert_runs_match(eager, graphed)
 
@@ -88,51 +81,33 @@ class FloodTableCache(TrainerCallback):
     def on_train_step_end(self, trainer, **kwargs):
         self.seen += 1
         if self.seen == 10:
-            for i in range(clip_norm._TABLE_CACHE_SIZE + 8):
+            for i in range(multi_tensor._TABLE_CACHE_SIZE + 8):
                 grads = [torch.ones(1000 + i, device="cuda")]
-                clip_norm.chunk_table(grads, clip_norm.DEFAULT_CHUNK)
+                multi_tensor.chunk_table(grads, multi_tensor.DEFAULT_CHUNK)
             self.keep = [torch.full((4096,), 7.0, device="cuda") for _ in range(64)]
 
 
 def test_evicted_chunk_tables_stay_alive_for_the_graphs():
-    results = {}
-    for engine in ("eager", "cudagraph"):
-        torch.manual_seed(0)
-        case = _case(epochs=2)
-        model = case.model().cuda()
-        trainer = Trainer(model, case.loss, case.optimizer(model), engine=engine, log_every_n_steps=3,
-                          callbacks=[FloodTableCache()])
-        data = case.data()
-        trainer.train(data, 2, per_device_batch_size=8, gradient_accumulation_steps=2, gradient_clip_norm=0.5,
-                      train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
-        results[engine] = trainer
-    graphed = results["cudagraph"]._engine
-    assert graphed.active_engine == "cudagraph"
-    assert any(captured.tables for captured in graphed._train_graphs.values())
-    for a, b in zip(results["eager"].get_model().parameters(), results["cudagraph"].get_model().parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    eager, graphed = _eager_and_graphed_with(FloodTableCache)
+    assert graphed._engine.active_engine == "cudagraph"
+    assert any(captured.tables for captured in graphed._engine._train_graphs.values())
+    _assert_same_parameters(eager, graphed)
 
 
 # item 5 -------------------------------------------------------------------------------------
-class CountingCaptures(CudaGraphEngine):
-    frames_in_captures = []
-
-    def _capture(self, body):
-        before = counters["frames"]["total"]
-        result = super()._capture(body)
-        CountingCaptures.frames_in_captures.append(counters["frames"]["total"] - before)
-        return result
+class CountingCaptures(CountsCaptureFrames, CudaGraphEngine):
+    pass
 
 
 @pytest.mark.parametrize("nonfinite", ["stop", "skip"])
 def test_nothing_compiles_during_capture(monkeypatch, nonfinite):
     monkeypatch.setitem(ENGINES, "cudagraph", CountingCaptures)
     CountingCaptures.frames_in_captures = []
-    case = _case(trainer_cls=functools.partial(Trainer, nonfinite=nonfinite))
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite=nonfinite))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = run(case, "cudagraph", device="cuda")
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     assert CountingCaptures.frames_in_captures == [0, 0, 0]
     counts = graphed.recorder.counts_after_epoch
     assert counts[0] == counts[-1], counts
@@ -151,7 +126,7 @@ def test_ten_compiled_trainers_in_one_process():
             trainer.train(vector_data(n=16), 1, per_device_batch_size=8, gradient_clip_norm=1.0,
                           train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
             assert trainer._engine.active_engine == "compiled"
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     assert recompile_limit.hit_count() == hits, recompile_limit.new_hits(hits)
 
 
@@ -167,19 +142,9 @@ class ClearGradientsMidWindow(TrainerCallback):
 
 
 def test_gradients_set_to_none_between_replays_match_eager():
-    results = {}
-    for engine in ("eager", "cudagraph"):
-        torch.manual_seed(0)
-        case = _case(epochs=2)
-        model = case.model().cuda()
-        trainer = Trainer(model, case.loss, case.optimizer(model), engine=engine, log_every_n_steps=3,
-                          callbacks=[ClearGradientsMidWindow()])
-        trainer.train(case.data(), 2, per_device_batch_size=8, gradient_accumulation_steps=2,
-                      gradient_clip_norm=0.5, train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
-        results[engine] = trainer
-    assert results["cudagraph"]._engine.active_engine == "cudagraph"
-    for a, b in zip(results["eager"].get_model().parameters(), results["cudagraph"].get_model().parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    eager, graphed = _eager_and_graphed_with(ClearGradientsMidWindow)
+    assert graphed._engine.active_engine == "cudagraph"
+    _assert_same_parameters(eager, graphed)
 
 
 # item 8 -------------------------------------------------------------------------------------

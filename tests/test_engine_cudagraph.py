@@ -10,47 +10,28 @@ import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
-from fasttrain import Trainer, prepare
 from fasttrain.schedulers import CosineLrScheduler
 
-from engine_cases import MLP, Case, ConvNet, assert_runs_match, image_data, one_cycle, run, vector_data
+from engine_cases import (
+    Case,
+    ConvNet,
+    HostReadingTrainer,
+    MeanPool,
+    RaggedCollate,
+    assert_runs_match,
+    fasttrain_warnings,
+    image_data,
+    mlp_case,
+    run,
+    vector_data,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("exact_cuda"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def exact_cuda():
-    torch._dynamo.reset()
-    counters.clear()
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-    torch._dynamo.reset()
-
-
-def _fasttrain_warnings(caught):
-    return [w for w in caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]
-
-
-def mlp_case(trainer_cls=Trainer, scheduler=None, epochs=3):
-    return Case(
-        model=MLP,
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
-        data=vector_data,
-        epochs=epochs,
-        train_kwargs=dict(
-            gradient_accumulation_steps=2,
-            gradient_clip_norm=0.5,
-            create_scheduler_fn=scheduler if scheduler is not None else one_cycle(),
-        ),
-        trainer_cls=trainer_cls,
-    )
 
 
 @pytest.mark.parametrize(
@@ -72,7 +53,7 @@ def test_graphed_matches_eager(case):
         warnings.simplefilter("always")
         eager = run(case, "eager", device="cuda")
         graphed = run(case, "cudagraph", device="cuda")
-    assert not _fasttrain_warnings(caught), [str(w.message) for w in _fasttrain_warnings(caught)]
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
     assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
@@ -93,7 +74,7 @@ def _device_batches(trainer, n):
 @pytest.mark.parametrize("engine_name", ["compiled", "cudagraph"])
 def test_steady_state_steps_never_sync(engine_name):
     # fasttrain's cosine schedule has no step limit, so extra steps after train() are fine
-    case = mlp_case(scheduler=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1), epochs=2)
+    case = mlp_case(create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1), epochs=2)
     result = run(case, engine_name, device="cuda")
     trainer, engine = result.trainer, result.trainer._engine
     assert engine.active_engine == engine_name
@@ -114,7 +95,7 @@ def test_steady_state_steps_never_sync(engine_name):
 
 
 def test_replays_with_new_batch_contents_give_their_own_losses():
-    result = run(mlp_case(scheduler=CosineLrScheduler.create_scheduler_fn()), "cudagraph", device="cuda")
+    result = run(mlp_case(create_scheduler_fn=CosineLrScheduler.create_scheduler_fn()), "cudagraph", device="cuda")
     trainer, engine = result.trainer, result.trainer._engine
     assert set(engine._train_graphs) == {False, True}
     model, loss_func = trainer.model, trainer.loss_func
@@ -142,56 +123,30 @@ def test_replays_with_new_batch_contents_give_their_own_losses():
     torch.testing.assert_close(torch.stack(views), torch.stack(expected).float(), rtol=1e-5, atol=1e-6)
 
 
-class HostReadingTrainer(Trainer):
-    """Reads the learning rate on the host in optimizer_step: fine eagerly and compiled (a sync),
-    impossible inside a CUDA graph."""
-
-    def optimizer_step(self):
-        super().optimizer_step()
-        self.last_lr = float(prepare.stepping_optimizer(self).param_groups[0]["lr"])
-
-
 def test_host_read_in_a_hook_falls_back_to_compiled_with_one_warning():
     case = mlp_case(HostReadingTrainer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eager = run(case, "eager", device="cuda")
         graphed = run(case, "cudagraph", device="cuda")
-    ours = _fasttrain_warnings(caught)
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert "'optimizer_step'" in str(ours[0].message) and "'compiled'" in str(ours[0].message)
+    ours = fasttrain_warnings(caught)
+    assert len(ours) == 1, ours
+    assert "'optimizer_step'" in ours[0] and "'compiled'" in ours[0]
     assert graphed.trainer._engine.active_engine == "compiled"
     assert graphed.trainer._engine.active_eval_engine == "cudagraph"
     assert_runs_match(eager, graphed)
 
 
 def test_batches_that_change_shape_fall_back_to_compiled():
-    def ragged(samples):
-        # each batch keeps a different number of features: dynamic shapes
-        keep = 4 + len(ragged.calls) % 4
-        ragged.calls.append(keep)
-        xs = torch.stack([s[0] for s in samples])[:, :keep].contiguous()
-        return xs, torch.stack([s[1] for s in samples])
-
-    ragged.calls = []
     case = Case(
-        model=_MeanPool,  # accepts any width
+        model=MeanPool,  # accepts any width
         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
         data=vector_data,
         epochs=2,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = run(case, "cudagraph", device="cuda", collate_fn=ragged, eval_dataset=None)
-    ours = _fasttrain_warnings(caught)
-    assert len(ours) == 1 and "dynamic shapes" in str(ours[0].message), [str(w.message) for w in ours]
+        result = run(case, "cudagraph", device="cuda", collate_fn=RaggedCollate(), eval_dataset=None)
+    ours = fasttrain_warnings(caught)
+    assert len(ours) == 1 and "dynamic shapes" in ours[0], ours
     assert result.trainer._engine.active_engine == "compiled"
-
-
-class _MeanPool(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(3))
-
-    def forward(self, x):
-        return x.mean(dim=1, keepdim=True) * self.scale

@@ -18,13 +18,25 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fasttrain import Trainer, prepare
+from fasttrain import Trainer
 from fasttrain.engine import ENGINES
 from fasttrain.engine.cudagraph import CudaGraphEngine
 from fasttrain.engine.hyperparams import inner_optimizer
 from fasttrain.engine.snapshot import StepSnapshot
 
-from engine_cases import MLP, Case, Recorder, Run, assert_runs_match, one_cycle, run, vector_data
+from engine_cases import (
+    Case,
+    HostReadingTrainer,
+    MeanPool,
+    RaggedCollate,
+    Recorder,
+    Run,
+    assert_runs_match,
+    fasttrain_warnings,
+    mlp_case,
+    run,
+    vector_data,
+)
 
 AOT = {"backend": "aot_eager"}
 HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
@@ -94,30 +106,13 @@ def host_graphs(monkeypatch):
     torch._dynamo.reset()
 
 
-def _ours(caught):
-    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]
-
-
-def mlp_case(trainer_cls=Trainer, epochs=3, **train_kwargs):
-    kwargs = dict(gradient_accumulation_steps=2, gradient_clip_norm=0.5, create_scheduler_fn=one_cycle())
-    kwargs.update(train_kwargs)
-    return Case(
-        model=MLP,
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
-        data=vector_data,
-        epochs=epochs,
-        train_kwargs=kwargs,
-        trainer_cls=trainer_cls,
-    )
-
-
 def test_graphed_steps_match_eager_and_replay_from_the_ring():
     case = mlp_case()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eager = run(case, "eager")
         graphed = run(case, "cudagraph", AOT)
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
     assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
@@ -131,17 +126,12 @@ def test_graphed_steps_match_eager_and_replay_from_the_ring():
 
 
 def test_host_read_in_a_captured_hook_falls_back_to_compiled_once():
-    class HostReadingTrainer(Trainer):
-        def optimizer_step(self):
-            super().optimizer_step()
-            self.last_lr = float(prepare.stepping_optimizer(self).param_groups[0]["lr"])
-
     case = mlp_case(HostReadingTrainer, epochs=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eager = run(case, "eager")
         graphed = run(case, "cudagraph", AOT)
-    messages = _ours(caught)
+    messages = fasttrain_warnings(caught)
     assert len(messages) == 1 and "'optimizer_step'" in messages[0] and "'compiled'" in messages[0], messages
     assert graphed.trainer._engine.active_engine == "compiled"
     assert graphed.trainer._engine.active_eval_engine == "cudagraph"
@@ -149,26 +139,11 @@ def test_host_read_in_a_captured_hook_falls_back_to_compiled_once():
 
 
 def test_changing_shapes_fall_back_to_compiled_once():
-    def ragged(samples):
-        keep = 4 + len(ragged.calls) % 4
-        ragged.calls.append(keep)
-        xs = torch.stack([s[0] for s in samples])[:, :keep].contiguous()
-        return xs, torch.stack([s[1] for s in samples])
-
-    class MeanPool(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(3))
-
-        def forward(self, x):
-            return x.mean(dim=1, keepdim=True) * self.scale
-
-    ragged.calls = []
     case = Case(model=MeanPool, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05), data=vector_data, epochs=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        graphed = run(case, "cudagraph", {**AOT, "dynamic": None}, collate_fn=ragged, eval_dataset=None)
-    messages = _ours(caught)
+        graphed = run(case, "cudagraph", {**AOT, "dynamic": None}, collate_fn=RaggedCollate(), eval_dataset=None)
+    messages = fasttrain_warnings(caught)
     assert len(messages) == 1 and "dynamic shapes" in messages[0], messages
     assert graphed.trainer._engine.active_engine == "compiled"
 
@@ -178,7 +153,6 @@ def test_a_swapped_in_model_is_evaluated_off_graph(tmp_path):
 
     def make(engine):
         case = mlp_case(epochs=3)
-        result = None
         torch.manual_seed(0)
         model = case.model()
         trainer = Trainer(

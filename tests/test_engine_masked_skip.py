@@ -16,8 +16,8 @@ from fasttrain.engine import masked_step
 from fasttrain.engine.clipping import GradientClipper
 from fasttrain.nonfinite import NonFiniteGuard
 
-from engine_cases import run
-from test_engine_graph_logic import AOT, _ours, host_graphs, mlp_case  # noqa: F401
+from engine_cases import fasttrain_warnings, mlp_case, run
+from test_engine_graph_logic import AOT, host_graphs  # noqa: F401
 
 OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -129,7 +129,7 @@ def test_the_graphed_engine_captures_the_masked_skip(device_like):
         warnings.simplefilter("always")
         eager = run(case, "eager", AOT, eval_dataset=None)
         graphed = run(case, "cudagraph", AOT, eval_dataset=None)
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
     assert sum(g.graph.replays for g in engine._train_graphs.values()) > 0

@@ -13,8 +13,8 @@ from fasttrain.callbacks import TrainerCallback
 from fasttrain.engine import ENGINES
 from fasttrain.engine.replay_guard import CaptureRecord
 
-from engine_cases import Recorder, Run
-from test_engine_graph_logic import AOT, HostGraph, HostGraphEngine, _ours, host_graphs, mlp_case  # noqa: F401
+from engine_cases import Recorder, Run, fasttrain_warnings, mlp_case
+from test_engine_graph_logic import AOT, HostGraph, HostGraphEngine, host_graphs  # noqa: F401
 
 
 def _stepped(optimizer_cls=torch.optim.AdamW):
@@ -161,7 +161,7 @@ def test_changes_between_replays_match_eager(monkeypatch, make_callback, recaptu
         warnings.simplefilter("always")
         eager = _run("eager", make_callback())
         graphed = _run("cudagraph", make_callback())
-    assert not _ours(caught), _ours(caught)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine._recaptures == recaptures
     assert set(engine._train_graphs) == {False, True}
@@ -187,7 +187,7 @@ def test_a_change_at_every_step_stops_capturing_with_one_warning(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = _run("cudagraph", FlipRequiresGrad(), epochs=2)
-    messages = _ours(caught)
+    messages = fasttrain_warnings(caught)
     assert len(messages) == 1 and "requires_grad changed" in messages[0] and "2 times" in messages[0], messages
     assert "'compiled'" in messages[0]
     assert graphed.trainer._engine.active_engine == "compiled"

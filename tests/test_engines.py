@@ -91,18 +91,67 @@ def assert_compiled_steady(result, epochs_checked=None):
 
 
 # ----------------------------------------------------------------------------- eager == compiled
-def test_mlp_inductor_sgd_value_clipping_accumulation(engine_warnings):
-    case = Case(
-        model=MLP,
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
-        data=vector_data,
-        epochs=2,
-        train_kwargs=dict(gradient_accumulation_steps=2, gradient_clip_value=0.05),
-    )
+def compiled_matching_eager(case, compile_options):
+    """Runs ``case`` eagerly and compiled, asserts that the runs match and that the compiled one is
+    steady, and returns the compiled run."""
     eager = run(case, "eager")
-    compiled = run(case, "compiled")  # default backend: inductor
+    compiled = run(case, "compiled", compile_options)
     assert_runs_match(eager, compiled)
     assert_compiled_steady(compiled)
+    return compiled
+
+
+@pytest.mark.parametrize(
+    "case, compile_options",
+    [
+        pytest.param(
+            Case(
+                model=MLP,
+                optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
+                data=vector_data,
+                epochs=2,
+                train_kwargs=dict(gradient_accumulation_steps=2, gradient_clip_value=0.05),
+            ),
+            None,  # default backend: inductor
+            id="mlp-inductor-sgd-value-clipping-accumulation",
+        ),
+        pytest.param(
+            # StepLR computes the next lr from group["lr"] itself, which is then a tensor
+            Case(
+                model=ConvNet,
+                optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=3e-3),
+                data=image_data,
+                epochs=2,
+                train_kwargs=dict(
+                    gradient_accumulation_steps=2,
+                    gradient_clip_value=0.5,
+                    gradient_clip_norm=1.0,
+                    create_scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+                ),
+            ),
+            AOT,
+            id="convnet-batchnorm-adam-both-clips-step-lr",
+        ),
+        pytest.param(
+            Case(
+                model=TinyGPT,
+                optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1),
+                data=token_data,
+                loss=token_loss,
+                epochs=2,
+                train_kwargs=dict(
+                    gradient_accumulation_steps=2,
+                    gradient_clip_norm=1.0,
+                    create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1, lr_min=1e-4),
+                ),
+            ),
+            AOT,
+            id="transformer-adamw-cosine-placeholders",
+        ),
+    ],
+)
+def test_compiled_matches_eager(case, compile_options, engine_warnings):
+    compiled_matching_eager(case, compile_options)
     assert not engine_warnings
 
 
@@ -115,10 +164,7 @@ def test_mlp_adamw_one_cycle_norm_clipping_and_second_train(engine_warnings):
         epochs=3,
         train_kwargs=dict(gradient_accumulation_steps=3, gradient_clip_norm=0.5, create_scheduler_fn=one_cycle()),
     )
-    eager = run(case, "eager")
-    compiled = run(case, "compiled", AOT)
-    assert_runs_match(eager, compiled)
-    assert_compiled_steady(compiled)
+    compiled = compiled_matching_eager(case, AOT)
     assert len(compiled.recorder.grad_norms) == 3 * 3 and finite(compiled.recorder.grad_norms)
     assert not engine_warnings
 
@@ -133,47 +179,6 @@ def test_mlp_adamw_one_cycle_norm_clipping_and_second_train(engine_warnings):
     )
     assert dynamo_counts() == before
     assert trainer._engine.active_engine == "compiled"
-
-
-def test_convnet_batchnorm_adam_both_clips_step_lr(engine_warnings):
-    # StepLR computes the next lr from group["lr"] itself, which is then a tensor
-    case = Case(
-        model=ConvNet,
-        optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=3e-3),
-        data=image_data,
-        epochs=2,
-        train_kwargs=dict(
-            gradient_accumulation_steps=2,
-            gradient_clip_value=0.5,
-            gradient_clip_norm=1.0,
-            create_scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
-        ),
-    )
-    eager = run(case, "eager")
-    compiled = run(case, "compiled", AOT)
-    assert_runs_match(eager, compiled)
-    assert_compiled_steady(compiled)
-    assert not engine_warnings
-
-
-def test_transformer_adamw_cosine_placeholders(engine_warnings):
-    case = Case(
-        model=TinyGPT,
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1),
-        data=token_data,
-        loss=token_loss,
-        epochs=2,
-        train_kwargs=dict(
-            gradient_accumulation_steps=2,
-            gradient_clip_norm=1.0,
-            create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1, lr_min=1e-4),
-        ),
-    )
-    eager = run(case, "eager")
-    compiled = run(case, "compiled", AOT)
-    assert_runs_match(eager, compiled)
-    assert_compiled_steady(compiled)
-    assert not engine_warnings
 
 
 # ----------------------------------------------------------------------------- fallbacks

@@ -15,16 +15,6 @@ import example_scripts as ex  # noqa: E402
 REL = 1e-7
 
 
-@pytest.fixture(scope="module")
-def original():
-    return ds.load_lib(ds.ORIGINAL)
-
-
-@pytest.fixture(scope="module")
-def ours():
-    return ds.load_lib(ds.FASTTRAIN)
-
-
 def assert_weights_equal(a, b):
     # float32 weights: a few units in the last place apart where the two libraries sum in a
     # different order (batch-norm statistics)

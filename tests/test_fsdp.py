@@ -10,14 +10,14 @@ takes for one process in each (that launch must fail in both processes, quickly)
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from launching import LAUNCH_VARIABLES, finish as _succeed, free_port as _free_port, start as _start, wait as _wait  # noqa: E402
+from launching import RESULT_NAMES, launch_env, torchrun_two  # noqa: E402
+from launching import finish as _succeed, free_port as _free_port, start as _start, wait as _wait  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "fsdp_worker.py"
@@ -45,24 +45,10 @@ fsdp_config:
 """
 
 
-
-
-def _torchrun(*args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), str(WORKER), *args]
-
-
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = launch_env()
     # a compile cache of this module's own, empty at the start: the second compiled launch
     # below starts warm from what the first wrote, as a user's second run does
     cpu_env = dict(env, ACCELERATE_USE_CPU="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor-cache"))
@@ -70,9 +56,9 @@ def launches(tmp_path_factory):
     bad_env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
     bad_env["CUDA_VISIBLE_DEVICES"] = ""
     start = time.monotonic()
-    multi = _start(_torchrun(str(out)), out / "two_processes.log", cpu_env)
+    multi = _start(torchrun_two(WORKER, str(out)), out / "two_processes.log", cpu_env)
     single = _start([sys.executable, str(WORKER), str(out)], out / "one_process.log", cpu_env)
-    bad = _start(_torchrun("--bad-launch"), out / "bad_launch.log", bad_env)
+    bad = _start(torchrun_two(WORKER, "--bad-launch"), out / "bad_launch.log", bad_env)
     bad_code = _wait(bad, out / "bad_launch.log", start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
     bad_log = (out / "bad_launch.log").read_text(errors="replace")
     (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
@@ -86,9 +72,9 @@ def launches(tmp_path_factory):
     _succeed(config_launch, out / "config_file_launch.log", deadline, "accelerate launch --config_file fsdp2.yaml")
     _succeed(single, out / "one_process.log", deadline, "the single-process reference")
     _succeed(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2 (FSDP2)")
-    again = _start(_torchrun("--compiled-again", str(out)), out / "compiled_again.log", cpu_env)
+    again = _start(torchrun_two(WORKER, "--compiled-again", str(out)), out / "compiled_again.log", cpu_env)
     _succeed(again, out / "compiled_again.log", time.monotonic() + LAUNCH_TIMEOUT_S, "the second compiled launch")
-    loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("rank0_world2", "rank1_world2", "rank0_world1")}
+    loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RESULT_NAMES}
     print(f"\nFSDP launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))
     loaded["bad_launch"] = (bad_code, bad_log)

@@ -7,9 +7,7 @@ save their results, which the tests below compare.
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ WORKER = REPO / "tests" / "dist" / "fsdp_clip_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 
 import fsdp_clip_worker as W  # noqa: E402
-from launching import LAUNCH_VARIABLES, finish as _finish, free_port as _free_port, start as _start  # noqa: E402
+from launching import launch_env, run_two_and_one  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,28 +28,10 @@ LAUNCH_TIMEOUT_S = 240
 RTOL, ATOL = 1e-5, 1e-7
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_clip")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    multi = _start(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), str(WORKER), str(out)],
-        out / "two_processes.log",
-        env,
-    )
-    single = _start([sys.executable, str(WORKER), str(out)], out / "one_process.log", env)
-    _finish(single, out / "one_process.log", deadline, "the single-process reference")
-    _finish(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2")
-    return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in ("rank0_world2", "rank1_world2", "rank0_world1")}
+    return run_two_and_one(WORKER, out, launch_env(ACCELERATE_USE_CPU="1"), LAUNCH_TIMEOUT_S)
 
 
 def _ranks(results, key):

@@ -24,13 +24,8 @@ from lightning_modules import (  # noqa: E402
     classification_data,
     fit_both,
     loader,
+    train_loader,
 )
-
-DATA = classification_data()
-
-
-def train_loader():
-    return loader(DATA, batch_size=8, shuffle=True)
 
 
 def val_loader():

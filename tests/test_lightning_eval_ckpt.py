@@ -18,16 +18,15 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
+    DATA,
     QUIET,
+    VAL,
     Classifier,
     ScheduledClassifier,
     assert_same_weights,
-    classification_data,
     loader,
+    train_loader,
 )
-
-DATA = classification_data()
-VAL = classification_data(n=20, seed=1)
 
 
 class DataModule(L.LightningDataModule):
@@ -42,7 +41,7 @@ class DataModule(L.LightningDataModule):
         self.calls.append(f"setup:{stage}")
 
     def train_dataloader(self):
-        return loader(DATA, batch_size=8, shuffle=True)
+        return train_loader()
 
     def val_dataloader(self):
         return loader(VAL, batch_size=5)
@@ -122,7 +121,7 @@ def test_callbacks_checkpoints_and_early_stopping(tmp_path):
         trainer = trainer_cls(max_epochs=6, callbacks=[checkpoint, steps, stop, monitor], default_root_dir=root,
                               logger=CSVLogger(root, name="csv", version=0), log_every_n_steps=2,
                               enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(module, loader(DATA, batch_size=8, shuffle=True), loader(VAL, batch_size=5))
+        trainer.fit(module, train_loader(), loader(VAL, batch_size=5))
         saved = sorted(p.name for p in (root / "ckpt").iterdir())
         step_files = sorted(p.name for p in (root / "steps").iterdir())
         with open(root / "csv" / "version_0" / "metrics.csv") as f:
@@ -160,32 +159,39 @@ def test_callbacks_checkpoints_and_early_stopping(tmp_path):
     assert best_ours[0]["val_loss"] == pytest.approx(float(lck.best_model_score), abs=1e-6)
 
 
+def _in_order():
+    return loader(DATA, batch_size=8)
+
+
+def _same_initial_weights():
+    """Two ScheduledClassifiers with the same weights, from seed 0: an uninterrupted run's and
+    the first part of an interrupted one's."""
+    torch.manual_seed(0)
+    reference = ScheduledClassifier()
+    first = ScheduledClassifier()
+    first.load_state_dict(reference.state_dict())
+    return reference, first
+
+
 @pytest.mark.parametrize("writer, reader", [("fasttrain", "lightning"), ("lightning", "fasttrain")])
 def test_resume_across_trainers_matches_an_uninterrupted_run(tmp_path, writer, reader):
     """Train 2 epochs with one trainer, save; resume for 2 more with the other: the same weights
     as 4 epochs in one go (step schedulers and optimizer state included)."""
     classes = {"fasttrain": Trainer, "lightning": L.Trainer}
-
-    def data():
-        return loader(DATA, batch_size=8)
-
-    torch.manual_seed(0)
-    reference = ScheduledClassifier()
-    first = ScheduledClassifier()
-    first.load_state_dict(reference.state_dict())
-    L.Trainer(max_epochs=4, **QUIET).fit(reference, data())
+    reference, first = _same_initial_weights()
+    L.Trainer(max_epochs=4, **QUIET).fit(reference, _in_order())
 
     trainer = classes[writer](max_epochs=4, **QUIET)
     # estimated_stepping_batches (the OneCycle length) must agree: stop after 2 of the 4 epochs
     stopper = _StopAfter(2)
     trainer.callbacks.append(stopper)
-    trainer.fit(first, data())
+    trainer.fit(first, _in_order())
     path = tmp_path / "mid.ckpt"
     trainer.save_checkpoint(path)
 
     resumed = ScheduledClassifier()
     second = classes[reader](max_epochs=4, **QUIET)
-    second.fit(resumed, data(), ckpt_path=path)
+    second.fit(resumed, _in_order(), ckpt_path=path)
     assert second.global_step == 24
     assert_same_weights(reference, resumed)
 
@@ -202,25 +208,18 @@ class _StopAfter(L.Callback):
 def test_mid_epoch_checkpoint_resumes_at_the_next_batch(tmp_path):
     """A checkpoint written by ModelCheckpoint(every_n_train_steps=4) in the middle of an epoch of
     6 batches resumes at batch 5 of that epoch: the same weights as an uninterrupted run."""
-
-    def data():
-        return loader(DATA, batch_size=8)
-
-    torch.manual_seed(0)
-    reference = ScheduledClassifier()
-    first = ScheduledClassifier()
-    first.load_state_dict(reference.state_dict())
-    Trainer(max_epochs=2, **QUIET).fit(reference, data())
+    reference, first = _same_initial_weights()
+    Trainer(max_epochs=2, **QUIET).fit(reference, _in_order())
 
     every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
     Trainer(max_epochs=2, callbacks=[every], enable_progress_bar=False, enable_model_summary=False,
-            logger=False).fit(first, data())
+            logger=False).fit(first, _in_order())
     path = tmp_path / "step=4.ckpt"
     assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"][
         "processed"] == 4
     resumed = ScheduledClassifier()
     trainer = Trainer(max_epochs=2, **QUIET)
-    trainer.fit(resumed, data(), ckpt_path=path)
+    trainer.fit(resumed, _in_order(), ckpt_path=path)
     assert trainer.global_step == 12
     assert_same_weights(reference, resumed)
 

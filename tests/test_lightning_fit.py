@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
+    VAL,
     Classifier,
     EpochScheduled,
     MetricsModule,
@@ -28,14 +29,8 @@ from lightning_modules import (  # noqa: E402
     fit_both,
     loader,
     token_data,
+    train_loader,
 )
-
-DATA = classification_data()
-VAL = classification_data(n=20, seed=1)
-
-
-def train_loader():
-    return loader(DATA, batch_size=8, shuffle=True)
 
 
 def val_loader():

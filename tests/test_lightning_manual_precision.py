@@ -19,12 +19,9 @@ from lightning_modules import (  # noqa: E402
     TwoOptimizerManual,
     assert_same_metrics,
     assert_same_weights,
-    classification_data,
     fit_both,
-    loader,
+    train_loader,
 )
-
-DATA = classification_data()
 
 
 @pytest.fixture
@@ -35,10 +32,6 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state()
     yield
     AcceleratorState._reset_state()
-
-
-def train_loader():
-    return loader(DATA, batch_size=8, shuffle=True)
 
 
 def test_two_optimizer_manual_optimization_matches_lightning():

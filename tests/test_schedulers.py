@@ -37,15 +37,29 @@ def lrs_of(optimizer):
     return [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def trace(cls, num_steps, **kwargs):
-    """The learning rates after construction and after each of ``num_steps`` steps."""
-    optimizer = make_optimizer()
-    scheduler = cls(optimizer, **kwargs)
-    values = [lrs_of(optimizer)]
+def steps_of(scheduler, optimizer, num_steps):
+    """The learning rates after each of ``num_steps`` more steps."""
+    values = []
     for _ in range(num_steps):
         scheduler.step()
         values.append(lrs_of(optimizer))
     return values
+
+
+def trace(cls, num_steps, **kwargs):
+    """The learning rates after construction and after each of ``num_steps`` steps."""
+    optimizer = make_optimizer()
+    scheduler = cls(optimizer, **kwargs)
+    return [lrs_of(optimizer)] + steps_of(scheduler, optimizer, num_steps)
+
+
+def state_after(cls, num_steps, **kwargs):
+    """The state_dict of a ``cls`` scheduler after ``num_steps`` steps, and its optimizer."""
+    optimizer = make_optimizer()
+    scheduler = cls(optimizer, **kwargs)
+    for _ in range(num_steps):
+        scheduler.step()
+    return scheduler.state_dict(), optimizer
 
 
 def flat(rows):
@@ -217,19 +231,11 @@ def test_cosine_matches_original_for_random_settings(s, warmup_ratio, min_ratio)
 def test_cosine_state_dict_resumes_the_schedule():
     config = dict(total_num_epochs=5, num_update_steps_per_epoch=4, num_warmup_epochs=1)
     uninterrupted = trace(CosineLrScheduler, 20, **config)
-    optimizer = make_optimizer()
-    first = CosineLrScheduler(optimizer, **config)
-    for _ in range(7):
-        first.step()
-    state = first.state_dict()
+    state, optimizer = state_after(CosineLrScheduler, 7, **config)
     assert all(isinstance(v, (int, float, type(None))) for v in state.values())
     second = CosineLrScheduler(optimizer, **config)
     second.load_state_dict(state)
-    resumed = []
-    for _ in range(13):
-        second.step()
-        resumed.append(lrs_of(optimizer))
-    assert flat(resumed) == pytest.approx(flat(uninterrupted[8:]))
+    assert flat(steps_of(second, optimizer, 13)) == pytest.approx(flat(uninterrupted[8:]))
 
 
 def test_cosine_rejects_bad_arguments():
@@ -391,11 +397,7 @@ def test_wsd_rejects_bad_arguments(kwargs, message):
 def test_wsd_state_dict_resumes_the_schedule_and_is_plain_python():
     config = dict(total_steps=60, num_warmup_steps=6, num_checkpoints=2, decay_phase_ratio=0.2)
     uninterrupted = trace(WSDLrScheduler, 60, **config)
-    optimizer = make_optimizer()
-    first = WSDLrScheduler(optimizer, **config)
-    for _ in range(20):
-        first.step()
-    state = first.state_dict()
+    state, optimizer = state_after(WSDLrScheduler, 20, **config)
     buffer = __import__("io").BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -403,11 +405,7 @@ def test_wsd_state_dict_resumes_the_schedule_and_is_plain_python():
     second = WSDLrScheduler(optimizer, **config)
     second.load_state_dict(state)
     assert second.get_current_step() == 19
-    resumed = []
-    for _ in range(40):
-        second.step()
-        resumed.append(lrs_of(optimizer))
-    assert flat(resumed) == pytest.approx(flat(uninterrupted[21:]))
+    assert flat(steps_of(second, optimizer, 40)) == pytest.approx(flat(uninterrupted[21:]))
 
 
 def test_wsd_continuation_load_matches_original():
@@ -415,11 +413,7 @@ def test_wsd_continuation_load_matches_original():
     first_config = dict(total_steps=100, num_warmup_steps=5)
 
     def continuation_trace(cls):
-        optimizer = make_optimizer()
-        first = cls(optimizer, **first_config)
-        for _ in range(80):
-            first.step()
-        state = first.state_dict()
+        state, _ = state_after(cls, 80, **first_config)
         second = cls(make_optimizer(), total_steps=40, is_continuation_from_checkpoint=True)
         second.load_state_dict(state)
         return (

@@ -5,25 +5,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
 from fasttrain.callbacks import LimitEvalStepsCallback, TrainerCallback
 from fasttrain.engine import graph_buffers
 from fasttrain.engine.graph_buffers import StepRing
 
-NO_WORKERS = {"num_workers": 0, "shuffle": False}
-
-
-def _data(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g))
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+from tiny_regression import NO_WORKERS, sum_data, tanh_mlp
 
 
 # ---------------------------------------------------------------------------- graph ring slots
@@ -51,7 +39,7 @@ class _Unfreeze(TrainerCallback):
 
 
 def test_parameters_unfrozen_during_training_are_clipped():
-    model = _model()
+    model = tanh_mlp()
     for p in model[0].parameters():
         p.requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -59,7 +47,7 @@ def test_parameters_unfrozen_during_training_are_clipped():
     before = [p.detach().clone() for p in model[0].parameters()]
     clip = 1e-4
     trainer.train(
-        _data(8),
+        sum_data(8),
         num_epochs=2,
         per_device_batch_size=4,
         gradient_clip_value=clip,
@@ -82,7 +70,7 @@ class _CountEvalSteps(TrainerCallback):
 
 def test_limit_eval_steps_callback_limits_the_evaluation_epoch():
     counter = _CountEvalSteps()
-    model = _model()
+    model = tanh_mlp()
     trainer = Trainer(
         model,
         nn.MSELoss(),
@@ -91,9 +79,9 @@ def test_limit_eval_steps_callback_limits_the_evaluation_epoch():
         engine="eager",
     )
     trainer.train(
-        _data(8),
+        sum_data(8),
         num_epochs=1,
-        eval_dataset=_data(24, seed=1),
+        eval_dataset=sum_data(24, seed=1),
         per_device_batch_size=4,
         train_dataloader_kwargs=NO_WORKERS,
         eval_dataloader_kwargs=NO_WORKERS,
@@ -116,20 +104,20 @@ class _StopAtStep(TrainerCallback):
 def test_gradients_of_an_unfinished_window_do_not_leak_into_the_next_train_call():
     import copy
 
-    model = _model()
+    model = tanh_mlp()
     stopper = _StopAtStep(0)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[stopper], engine="eager")
     # step 0 of a 4-step window: its gradients are accumulated, then training stops
-    trainer.train(_data(16), num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=4,
+    trainer.train(sum_data(16), num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=4,
                   train_dataloader_kwargs=NO_WORKERS)
     assert trainer.stop_reason == "stop_training_error"
     reference = copy.deepcopy(model)
     for p in reference.parameters():
         p.grad = None
     stopper.step = -1
-    trainer.train(_data(16, seed=3), num_epochs=1, per_device_batch_size=4, train_dataloader_kwargs=NO_WORKERS)
+    trainer.train(sum_data(16, seed=3), num_epochs=1, per_device_batch_size=4, train_dataloader_kwargs=NO_WORKERS)
 
     fresh = Trainer(reference, nn.MSELoss(), torch.optim.SGD(reference.parameters(), lr=0.1), callbacks=(), engine="eager")
-    fresh.train(_data(16, seed=3), num_epochs=1, per_device_batch_size=4, train_dataloader_kwargs=NO_WORKERS)
+    fresh.train(sum_data(16, seed=3), num_epochs=1, per_device_batch_size=4, train_dataloader_kwargs=NO_WORKERS)
     for a, b in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(a, b)

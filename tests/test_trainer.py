@@ -25,7 +25,8 @@ import fasttrain
 from fasttrain import Trainer, TrainerPlaceholderValues as P
 from fasttrain.callbacks import SaveTrainingStateCallback, TrainerCallback
 
-NO_WORKERS = {"num_workers": 0, "shuffle": False}
+from tiny_regression import NO_WORKERS, train_on
+
 
 
 def data(n, seed=0):
@@ -45,16 +46,7 @@ def make_trainer(m=None, optimizer_cls=torch.optim.AdamW, lr=0.01, callbacks=(),
 
 
 def fit(trainer, n=30, n_eval=0, bs=4, dl=NO_WORKERS, **kwargs):
-    kwargs.setdefault("num_epochs", 2)
-    trainer.train(
-        train_dataset=data(n),
-        eval_dataset=data(n_eval, seed=1) if n_eval else None,
-        per_device_batch_size=bs,
-        train_dataloader_kwargs=dl,
-        eval_dataloader_kwargs=NO_WORKERS,
-        **kwargs,
-    )
-    return trainer
+    return train_on(trainer, data(n), data(n_eval, seed=1) if n_eval else None, bs, dl, **kwargs)
 
 
 def state_equal(a, b):

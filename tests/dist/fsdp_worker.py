@@ -33,7 +33,7 @@ from torch.utils.data import TensorDataset
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 from scenarios import FEATURES, regression_data
-from worker_common import CaseResults, run_worker
+from worker_common import CaseResults, example_trainer, run_worker
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parents[1] / "examples" / "fsdp2_train.py"
@@ -348,12 +348,7 @@ def comm_case(k: int, sharded: bool) -> dict:
 
 
 def run_example() -> dict:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fsdp2_train_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    trainer = module.main(["--epochs", "2", "--num-samples", "128", "--batch-size", "8", "--grad-accum", "2"])
+    trainer = example_trainer(EXAMPLE, ["--epochs", "2", "--num-samples", "128", "--batch-size", "8", "--grad-accum", "2"])
     return {
         "distributed_type": str(trainer._accelerator.distributed_type),
         "eval_loss_epoch": trainer.run_history.get_metric_values("eval_loss_epoch"),

@@ -13,7 +13,6 @@ starting processes (importing torch, setting up the process group) is the slow p
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,16 +20,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import scenarios  # noqa: E402  (needs the path above)
-from worker_common import CaseResults, run_worker  # noqa: E402
+from worker_common import CaseResults, example_trainer, run_worker  # noqa: E402
 
 EXAMPLE = HERE.parents[1] / "examples" / "ddp_train.py"
 
 
 def run_example() -> dict:
-    spec = importlib.util.spec_from_file_location("ddp_train_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    trainer = module.main(["--epochs", "2", "--num-samples", "256", "--batch-size", "16", "--grad-accum", "2"])
+    trainer = example_trainer(EXAMPLE, ["--epochs", "2", "--num-samples", "256", "--batch-size", "16", "--grad-accum", "2"])
     return {
         "num_processes": trainer.run_config.num_processes,
         "eval_loss_epoch": trainer.run_history.get_metric_values("eval_loss_epoch"),

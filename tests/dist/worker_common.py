@@ -1,5 +1,6 @@
-"""What the multi-process test workers share: recording their cases, and ending."""
+"""What the multi-process test workers share: recording their cases, running an example, and ending."""
 
+import importlib.util
 import os
 import sys
 import time
@@ -26,6 +27,15 @@ class CaseResults:
     def save(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(self.results, out_dir / f"rank{self.rank}_world{self.world}.pt")
+
+
+def example_trainer(path: Path, argv):
+    """Runs ``main(argv)`` of the example script at ``path`` in this process; returns the trainer
+    it returns."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def run_worker(main, label: str) -> None:

@@ -27,6 +27,16 @@ def loader(dataset, batch_size=8, shuffle=False, seed=0):
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
 
 
+#: what most tests train on, and what the fit and checkpoint tests validate on
+DATA = classification_data()
+VAL = classification_data(n=20, seed=1)
+
+
+def train_loader():
+    """:data:`DATA` in batches of 8, shuffled."""
+    return loader(DATA, batch_size=8, shuffle=True)
+
+
 class Classifier(L.LightningModule):
     """Adam, per-step and per-epoch logging, validation and test."""
 

@@ -16,7 +16,10 @@ from torch.optim.lr_scheduler import OneCycleLR
 from torch.utils.data import Dataset, TensorDataset
 
 from fasttrain import Trainer, TrainerPlaceholderValues
-from fasttrain.callbacks import StopTrainingError, TrainerCallback
+from fasttrain.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
+
+#: train_kwargs for one epoch without evaluation or a scheduler
+SMALL = dict(num_epochs=1, eval_data=False, scheduler=False)
 
 
 def make_dataset(n: int = 24, seed: int = 0) -> TensorDataset:
@@ -118,6 +121,36 @@ def train_kwargs(num_epochs: int = 3, scheduler: bool = True, eval_data: bool = 
         )
     kwargs.update(overrides)
     return kwargs
+
+
+def trained_small() -> Trainer:
+    """A trainer after one :data:`SMALL` run."""
+    trainer, _ = build_trainer()
+    torch.manual_seed(0)
+    trainer.train(**train_kwargs(**SMALL))
+    return trainer
+
+
+class StopAtUpdate(TrainerCallback):
+    """Ends the run after update ``n``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def on_train_step_end(self, trainer, **kwargs):
+        if trainer.num_updates == self.n:
+            raise StopTrainingError("stop")
+
+
+def keep_last_two_run(save_dir, stop_at_update: int = None, resume_from=None) -> None:
+    """Two epochs without evaluation or a scheduler, saving the training state into ``save_dir``
+    after every update and keeping the last two; ended after ``stop_at_update`` if given (after
+    that update's save), resumed from ``resume_from`` if given."""
+    saver = SaveTrainingStateCallback(save_dir=str(save_dir), save_every_n_steps=1, max_checkpoints=2, save_at_end=False)
+    stop = [] if stop_at_update is None else [StopAtUpdate(stop_at_update)]
+    trainer, _ = build_trainer(callbacks=[saver, *stop])
+    resume = {} if resume_from is None else {"resume_from": str(resume_from)}
+    trainer.train(**train_kwargs(num_epochs=2, eval_data=False, scheduler=False), **resume)
 
 
 def weights(trainer) -> dict:
