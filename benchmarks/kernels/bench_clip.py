@@ -264,34 +264,49 @@ def grad_sets(tiny, dtypes):
     return sets
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def kernel_bench_parser(name: str, doc: str, tiny_help: str) -> argparse.ArgumentParser:
+    """The options every kernel benchmark takes: --device, --out (for ``<name>.md``), --tiny,
+    --warmup and --rep."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--out", type=Path, default=None, help="folder for bench_clip.md (default: print only)")
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--tiny", action="store_true", help="small gradient sets (CI)")
+    parser.add_argument("--out", type=Path, default=None, help=f"folder for {name}.md (default: print only)")
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time in ms")
     parser.add_argument("--rep", type=int, default=100, help="measurement time per figure in ms")
-    parser.add_argument("--enforce-targets", action="store_true", help="exit 1 when a target is missed")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def kernel_bench_setup(parser, args, name: str):
+    """The device, the timer for it, and fasttrain.kernels, after refusing what cannot be timed."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device; use --device cpu for the correctness run")
     import fasttrain.kernels as K
 
     if not K.triton_available():
-        sys.exit("bench_clip: triton is not installed; install it to time the fused kernels")
-
+        sys.exit(f"{name}: triton is not installed; install it to time the fused kernels")
     if device.type == "cuda" and K.triton_interpreted():
-        sys.exit("bench_clip: TRITON_INTERPRET is set; unset it to time the compiled kernels")
+        sys.exit(f"{name}: TRITON_INTERPRET is set; unset it to time the compiled kernels")
     timer = CudaTimer(args.warmup, args.rep) if device.type == "cuda" else HostTimer()
+    return device, timer, K
+
+
+def write_report(report: str, out, name: str) -> None:
+    print(report)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.md").write_text(report)
+
+
+def main(argv=None):
+    parser = kernel_bench_parser("bench_clip", __doc__, "small gradient sets (CI)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--enforce-targets", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    device, timer, _ = kernel_bench_setup(parser, args, "bench_clip")
     rows, copy_bw = measure(grad_sets(args.tiny, args.dtypes), timer, device)
     header = header_lines(device, args.tiny) + [f"- note: {n}" for n in timer.notes]
-    report = render(rows, copy_bw, device, header)
-    print(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_clip.md").write_text(report)
+    write_report(render(rows, copy_bw, device, header), args.out, "bench_clip")
     _, met = verdicts(rows, copy_bw)
     return 1 if (args.enforce_targets and device.type == "cuda" and not met) else 0
 

@@ -21,14 +21,12 @@ On the CPU (``--device cpu``) it checks the fused kernel (under ``TRITON_INTERPR
 the reference over a run with a non-finite loss and a wrapping ring, and times the host calls; no
 device figures come from that.
 """
-import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-from bench_clip import CudaTimer, HostTimer, header_lines
+from bench_clip import header_lines, kernel_bench_parser, kernel_bench_setup, write_report
 
 RING = 64  # the cudagraph engine keeps one slot per step between flushes; 64 is a typical interval
 
@@ -102,38 +100,18 @@ def render(rows, device, header):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--out", type=Path, default=None, help="folder for bench_loss_accum.md (default: print only)")
-    parser.add_argument("--tiny", action="store_true", help="fewer correctness steps (CI)")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time in ms")
-    parser.add_argument("--rep", type=int, default=100, help="measurement time per figure in ms")
+    parser = kernel_bench_parser("bench_loss_accum", __doc__, "fewer correctness steps (CI)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA device; use --device cpu for the correctness run")
-    import fasttrain.kernels as K
-
-    if not K.triton_available():
-        sys.exit("bench_loss_accum: triton is not installed; install it to time the fused kernel")
-
-    if device.type == "cuda" and K.triton_interpreted():
-        sys.exit("bench_loss_accum: TRITON_INTERPRET is set; unset it to time the compiled kernel")
+    device, timer, K = kernel_bench_setup(parser, args, "bench_loss_accum")
     if device.type == "cpu" and not K.triton_interpreted():
         sys.exit("bench_loss_accum: --device cpu runs the kernel under TRITON_INTERPRET=1; set it before starting")
     checked = check_correct(device, calls=RING + 5 if args.tiny else 3 * RING + 5)
-    timer = CudaTimer(args.warmup, args.rep) if device.type == "cuda" else HostTimer()
     rows = measure(timer, device)
     where, versions, _sizes, *rest = header_lines(device, args.tiny)
     checks = f"- fused vs reference: equal counters and ring over {checked} steps (one NaN loss, the ring wrapped)"
     header = [where, versions, checks, *rest] + [f"- note: {n}" for n in timer.notes]
-    report = render(rows, device, header)
-    print(report)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_loss_accum.md").write_text(report)
+    write_report(render(rows, device, header), args.out, "bench_loss_accum")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
