@@ -51,7 +51,6 @@ from fasttrain.resume import (  # noqa: F401  (re-exported: the trainer reaches 
     capture_rng_state,
     capture_position,
     epoch_batches,
-    reset_run_state,
     restore_rng_state,
     resume_position,
     resume_start,
@@ -188,7 +187,7 @@ def _open_accumulation_window(trainer) -> bool:
     config = trainer.run_config
     if getattr(trainer, "_train_buffer", None) is None or config is None:
         return False
-    consumed = trainer._step_in_epoch
+    consumed = trainer.progress.step_in_epoch
     try:
         num_batches = len(trainer._train_dataloader)
     except TypeError:
@@ -206,7 +205,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
         # SYNC(save): a save is a flush point, so the saved loss counters are complete and a non-finite
         # value in the steps since the last flush is seen before anything is written
         step_metrics.flush(trainer, buffer, is_epoch_end=False)
-    if getattr(trainer, "_nonfinite_applied", False):
+    if trainer.progress.nonfinite_applied:
         trainer.print(
             f"Not saving the training state to {output_dir}: an update with non-finite values was "
             "applied since the last good state, which is kept as it is."
@@ -254,8 +253,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
             metadata = {
                 "fasttrain_state_version": STATE_VERSION,
                 **capture_position(trainer),
-                "num_updates": trainer._num_updates,
-                "skipped_updates": trainer.skipped_updates,
+                **trainer.progress.state_dict(),  # num_updates, skipped_updates
                 "run_history": trainer.run_history.state_dict() if hasattr(trainer.run_history, "state_dict") else None,
                 "engine": trainer._engine.state_dict() if trainer._engine is not None else {},
                 "num_processes": accelerator.num_processes,
@@ -275,7 +273,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
             own[f"grads_{rank}.pt"] = atomic_save(grads, staging / f"grads_{rank}.pt")
         # every process has its own random streams
         own[f"rng_state_{rank}.pt"] = atomic_save(
-            {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer._epoch_start_rng},
+            {"rng": capture_rng_state(trainer._train_dataloader), "epoch_start_rng": trainer.progress.epoch_start_rng},
             staging / f"rng_state_{rank}.pt",
         )
     if sharded:
@@ -522,8 +520,7 @@ def load_training_state(trainer, input_dir) -> dict:
         trainer.run_history.load_state_dict(metadata["run_history"])
     else:
         trainer.run_history._set_epoch(metadata.get("current_epoch", 1))
-    trainer._num_updates = metadata.get("num_updates", 0)
-    trainer._skipped_updates = metadata.get("skipped_updates", 0)
+    trainer.progress.load_state_dict(metadata)
     if trainer._engine is not None:
         trainer._engine.load_state_dict(metadata.get("engine", {}))
     rng_path = input_dir / f"rng_state_{accelerator.process_index}.pt"

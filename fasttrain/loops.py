@@ -29,22 +29,23 @@ def train_epoch(trainer, train_dl) -> bool:
     step_end = handler.handlers("on_train_step_end")
     engine = trainer._engine
     interrupt = trainer._interrupt
+    progress = trainer.progress
     reached_max_steps = False
     for step, batch in enumerate(batches, start=first_step):
-        trainer._step_in_epoch = step
+        progress.step_in_epoch = step
         handler.call_methods(step_start, trainer)
         update = (step + 1) % k == 0 or step + 1 == num_batches
         batch_output = engine.train_step(batch, update)
         buffer.add(step, batch_output)
         if update:
-            trainer._num_updates += 1
+            progress.num_updates += 1
             buffer.add_grad_norm(engine.last_grad_norm)
-        trainer._step_in_epoch = step + 1
+        progress.step_in_epoch = step + 1
         handler.call_methods(step_end, trainer, batch=batch, batch_output=batch_output, step=step)
         if update:
-            if trainer._num_updates % trainer.log_every_n_steps == 0:
+            if progress.num_updates % trainer.log_every_n_steps == 0:
                 flush(trainer, buffer, is_epoch_end=False)
-            if trainer._num_updates >= max_updates:
+            if progress.num_updates >= max_updates:
                 reached_max_steps = True
                 break
         if interrupt.stop_requested:  # a host bool set by the signal handler

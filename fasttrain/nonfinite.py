@@ -181,11 +181,11 @@ class NonFiniteGuard:
             self.shared_totals = None
             if not (train or metrics.is_epoch_end):
                 return None
-            if train and trainer._num_updates == self._shared_at:
+            if train and trainer.progress.num_updates == self._shared_at:
                 # an epoch-end flush right after a periodic one: nothing new, the totals stand
                 self.shared_totals = self._last_totals
                 return None
-            self._shared_at = trainer._num_updates if train else None
+            self._shared_at = trainer.progress.num_updates if train else None
             code, self.shared_totals = share_stop_decisions(
                 trainer._accelerator, trainer._interrupt, _REASONS.index(self._seen), local_totals
             )
@@ -198,8 +198,9 @@ class NonFiniteGuard:
         if reason is None:
             return None
         trainer.stop_reason = reason
-        trainer._nonfinite_applied = trainer._nonfinite_applied or train
-        trainer.run_history.update_metric(f"stopped_{reason}", trainer._num_updates)
+        progress = trainer.progress
+        progress.nonfinite_applied = progress.nonfinite_applied or train
+        trainer.run_history.update_metric(f"stopped_{reason}", progress.num_updates)
         self.stop_message = stop_message(trainer, metrics, reason)
         return StopTrainingError(self.stop_message)
 
@@ -285,7 +286,7 @@ def stop_message(trainer, metrics, reason: str) -> str:
         )
     elif finite:
         lines.append(
-            f"The model's weights in memory are finite, but hold all {trainer._num_updates} updates "
+            f"The model's weights in memory are finite, but hold all {trainer.progress.num_updates} updates "
             "applied so far, including any after the non-finite value."
         )
     remedies = [

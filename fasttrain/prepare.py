@@ -171,7 +171,7 @@ def step_context(trainer, base: type) -> StepContext:
         overridden_hooks=overridden_hooks(trainer, base),
         capture_blockers=blockers,
         training=trainer._train_dataloader is not None,
-        step_in_epoch=lambda: trainer._step_in_epoch,
+        step_in_epoch=lambda: trainer.progress.step_in_epoch,
         train_batches=train_batches,
         mutated_flags=trainer._update_clip.mutated_flags,
     )

@@ -159,20 +159,21 @@ def capture_position(trainer) -> dict:
     """The metadata entries saying where in the run the trainer is."""
     epoch = trainer.run_history.current_epoch
     buffer = getattr(trainer, "_train_buffer", None)
+    progress = trainer.progress
     # the epoch this train() call started at: with reset_run_history=False (progressive
     # resizing) a run's epochs do not start at 1
-    first = getattr(trainer, "_run_first_epoch", 1)
+    first = progress.run_first_epoch
     if buffer is not None:
         return {
             "run_first_epoch": first,
             "current_epoch": epoch,
             "phase": "mid_epoch",
-            "step_in_epoch": trainer._step_in_epoch,
+            "step_in_epoch": progress.step_in_epoch,
             "epoch_loss_sum": buffer.loss_sum,
             "epoch_sample_count": buffer.sample_count,
-            "loader_iteration": getattr(trainer, "_epoch_start_loader_iteration", None),
+            "loader_iteration": progress.epoch_start_loader_iteration,
         }
-    phase = "train_done" if getattr(trainer, "_epoch_in_progress", None) == epoch else "epoch_start"
+    phase = "train_done" if progress.epoch_in_progress == epoch else "epoch_start"
     return {
         "run_first_epoch": first,
         "current_epoch": epoch,
@@ -204,16 +205,10 @@ def resume_position(metadata: dict) -> Optional[ResumePosition]:
 
 
 def reset_run_state(trainer) -> None:
-    """The state one ``train()`` call builds up, as it is before the run's first step (and in a
-    new Trainer): update counts, the resume point, the epoch in progress, why the run stopped."""
-    trainer._num_updates = 0
-    trainer._skipped_updates = 0
-    trainer._resume_position = None
+    """The state one ``train()`` call builds up, as it is in a new Trainer: the counters
+    (``trainer.progress``), the epoch's step metrics, why the run stopped."""
+    trainer.progress.reset()
     trainer._train_buffer = None
-    trainer._epoch_in_progress = None
-    trainer._epoch_start_rng = None
-    trainer._epoch_start_loader_iteration = None
-    trainer._nonfinite_applied = False
     trainer.stop_reason = None
 
 
@@ -221,32 +216,34 @@ def begin_training(trainer, resume_from=None) -> None:
     """Reset the per-run state of ``trainer`` and, with ``resume_from``, load a training state
     and remember where to continue."""
     reset_run_state(trainer)
-    trainer._run_first_epoch = trainer.run_history.current_epoch
+    progress = trainer.progress
+    progress.run_first_epoch = trainer.run_history.current_epoch
     if resume_from is None:
         return
     metadata = trainer.load_training_state(resume_from)
     if "current_epoch" in metadata:
         # also when load_training_state is overridden and leaves the run history alone
         trainer.run_history._set_epoch(metadata["current_epoch"])
-    trainer._run_first_epoch = metadata.get("run_first_epoch", 1)
-    trainer._resume_position = resume_position(metadata)
+    progress.run_first_epoch = metadata.get("run_first_epoch", 1)
+    progress.resume_position = resume_position(metadata)
     trainer.print(
         f"Resumed training state from {resume_from} (epoch {trainer.run_history.current_epoch}, "
-        f"update {trainer._num_updates})"
+        f"update {progress.num_updates})"
     )
 
 
 def resume_start(trainer):
     """``(epochs already done, skip_train)`` for the epoch loop: with ``skip_train`` the first
     epoch's training part is already done and only its evaluation and end remain."""
-    position = trainer._resume_position
+    progress = trainer.progress
+    position = progress.resume_position
     if position is None:
         return 0, False
-    epochs_done = position.epoch - trainer._run_first_epoch
+    epochs_done = position.epoch - progress.run_first_epoch
     if position.phase != "train_done":
         return epochs_done, False
-    trainer._resume_position = None
-    trainer._epoch_in_progress = position.epoch
+    progress.resume_position = None
+    progress.epoch_in_progress = position.epoch
     restore_rng_state(position.rng, trainer._train_dataloader)
     _set_loader_iteration(trainer._train_dataloader, position.loader_iteration)
     return epochs_done, True
@@ -262,19 +259,20 @@ def epoch_batches(trainer, dataloader, buffer):
     so that the rest of the run matches an uninterrupted one.
     """
     epoch = trainer.run_history.current_epoch
-    trainer._epoch_in_progress = epoch
-    position = trainer._resume_position
-    trainer._resume_position = None
+    progress = trainer.progress
+    progress.epoch_in_progress = epoch
+    position = progress.resume_position
+    progress.resume_position = None
     if position is not None and position.epoch == epoch and position.phase == "epoch_start":
         restore_rng_state(position.rng, dataloader)
         _set_loader_iteration(dataloader, position.loader_iteration)
         position = None
     if position is None or position.epoch != epoch or position.phase != "mid_epoch":
-        trainer._epoch_start_rng = capture_rng_state(dataloader)
-        trainer._epoch_start_loader_iteration = _loader_iteration(dataloader)
+        progress.epoch_start_rng = capture_rng_state(dataloader)
+        progress.epoch_start_loader_iteration = _loader_iteration(dataloader)
         return dataloader, 0
-    trainer._epoch_start_rng = position.epoch_start_rng
-    trainer._epoch_start_loader_iteration = position.loader_iteration
+    progress.epoch_start_rng = position.epoch_start_rng
+    progress.epoch_start_loader_iteration = position.loader_iteration
     buffer.loss_sum = position.loss_sum
     buffer.sample_count = position.sample_count
     replay = getattr(trainer, "resume_data_skip", "sampler") == "replay"

@@ -271,10 +271,10 @@ def finish_interrupted_run(trainer, signal_number: int) -> None:
         )
     elif trainer.save_training_state(where):
         trainer.print(
-            f"{name}: training stopped after update {trainer._num_updates}; the training state is "
+            f"{name}: training stopped after update {trainer.progress.num_updates}; the training state is "
             f"saved in {where}. Continue with train(..., resume_from={where!r})."
         )
     # the signal ended the run; a non-finite value that flush found is in its stopped_ metric
     trainer.stop_reason = "interrupted"
-    trainer.run_history.update_metric("stopped_interrupted", trainer._num_updates)
+    trainer.run_history.update_metric("stopped_interrupted", trainer.progress.num_updates)
     trainer.callback_handler.call_event("on_training_interrupted", trainer, signal_number=signal_number)

@@ -156,14 +156,15 @@ def flush(trainer, buffer: StepMetricsBuffer, is_epoch_end: bool) -> Optional[Fl
         return None
     train = buffer.phase == "train"
     guard = trainer._nonfinite
+    progress = trainer.progress
     metrics = buffer.flush(
-        num_updates=trainer._num_updates,
-        skipped_updates=trainer._skipped_updates,
+        num_updates=progress.num_updates,
+        skipped_updates=progress.skipped_updates,
         is_epoch_end=is_epoch_end,
         pending_skips=guard.take_pending() if train else None,
     )
     if train:
-        trainer._skipped_updates = metrics.skipped_updates
+        progress.skipped_updates = metrics.skipped_updates
     # host values only (with several processes, one shared decision about non-finite values
     # and stop signals); records the reason before the event, where TerminateOnNaNCallback
     # may raise first

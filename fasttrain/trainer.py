@@ -29,6 +29,7 @@ from fasttrain.engine.clipping import GradientClipper
 from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
+from fasttrain.progress import TrainProgress
 from fasttrain.run_config import TrainerRunConfig
 from fasttrain.tracking import InMemoryRunHistory, RunHistory
 from fasttrain.utils import LIMIT_BATCHES_ENV_VAR
@@ -168,8 +169,10 @@ class Trainer(ForwardBackwardHelper):
         #: why the last train() ended early: None, "nonfinite_loss", "nonfinite_gradients",
         #: "interrupted" or "stop_training_error" (a callback raised StopTrainingError)
         self.stop_reason: Optional[str] = None
-        # update counts, resume point, epoch in progress: as every train() starts them
-        checkpointing.reset_run_state(self)
+        #: the run's counters: updates, the step in the epoch, the resume point (progress.py);
+        #: every train() resets them
+        self.progress = TrainProgress()
+        self._train_buffer = None  # the training epoch's step metrics while it runs (loops.py)
         self._interrupt = signals.InterruptFlag()
         self._nonfinite = NonFiniteGuard(nonfinite)  # rebuilt by train() with the prepared optimizer
         self.model = validation.apply_model_transforms(
@@ -195,7 +198,6 @@ class Trainer(ForwardBackwardHelper):
         self._step_context = None  # built with the engine by prepare.setup_engine
         self._clipper: Optional[GradientClipper] = None
         self._update_clip = None
-        self._step_in_epoch = 0
         self._plain_backward = True
         self._wrapped_optimizer_needed = False
         # filled in by train()/evaluate()
@@ -257,8 +259,8 @@ class Trainer(ForwardBackwardHelper):
 
         pytorch-accelerated had no such property, and its subclasses (``TrainerWithTimmScheduler``)
         keep their own ``self.num_updates``: an assigned value is theirs and is returned from
-        then on, while the trainer keeps counting in ``_num_updates``."""
-        return self.__dict__.get("_assigned_num_updates", self._num_updates)
+        then on, while the trainer keeps counting in ``progress.num_updates``."""
+        return self.__dict__.get("_assigned_num_updates", self.progress.num_updates)
 
     @num_updates.setter
     def num_updates(self, value) -> None:
@@ -266,7 +268,7 @@ class Trainer(ForwardBackwardHelper):
 
     @property
     def skipped_updates(self) -> int:
-        return self._skipped_updates
+        return self.progress.skipped_updates
 
     # ------------------------------------------------------------------ hooks
     def training_run_start(self):
@@ -394,7 +396,7 @@ class Trainer(ForwardBackwardHelper):
                     try:
                         if train_done:
                             train_done = False
-                            reached_max_steps = self._num_updates >= self.run_config.max_num_train_steps
+                            reached_max_steps = self.progress.num_updates >= self.run_config.max_num_train_steps
                         else:
                             reached_max_steps = loops.train_epoch(self, self._train_dataloader)
                         if self.eval_dataset is not None:

@@ -79,7 +79,7 @@ def test_steady_state_steps_never_sync(engine_name):
     trainer, engine = result.trainer, result.trainer._engine
     assert engine.active_engine == engine_name
     batches = _device_batches(trainer, 2)  # full batches
-    trainer._step_in_epoch = 0  # not the last batch of an epoch
+    trainer.progress.step_in_epoch = 0  # not the last batch of an epoch
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -99,7 +99,7 @@ def test_replays_with_new_batch_contents_give_their_own_losses():
     trainer, engine = result.trainer, result.trainer._engine
     assert set(engine._train_graphs) == {False, True}
     model, loss_func = trainer.model, trainer.loss_func
-    trainer._step_in_epoch = 0
+    trainer.progress.step_in_epoch = 0
     g = torch.Generator(device="cuda").manual_seed(7)
     template = _device_batches(trainer, 1)[0]
     expected, views = [], []

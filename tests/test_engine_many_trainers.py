@@ -79,7 +79,7 @@ def test_without_isolation_the_limit_is_raised_per_optimizer(fresh_dynamo, monke
 def test_a_recompile_limit_hit_warns_once_and_runs_eager(fresh_dynamo):
     class LimitHitAt(TrainerCallback):
         def on_train_step_start(self, trainer, **kwargs):
-            if trainer._step_in_epoch == 1:
+            if trainer.progress.step_in_epoch == 1:
                 # what dynamo logs when it gives up on a function
                 logging.getLogger("torch._dynamo.convert_frame").warning(
                     "torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s",

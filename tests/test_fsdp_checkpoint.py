@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fasttrain import checkpoint_sharded, checkpointing
+from fasttrain.progress import TrainProgress
 
 REPO = Path(__file__).resolve().parents[1]
 DIST = REPO / "tests" / "dist"
@@ -214,7 +215,9 @@ def test_fsdp1_is_refused_with_a_pointer_to_fsdp2(tmp_path):
     accelerator = types.SimpleNamespace(
         num_processes=1, process_index=0, is_main_process=True, is_local_main_process=True, wait_for_everyone=lambda: None
     )
-    trainer = types.SimpleNamespace(get_model=lambda keep_torch_compile=True: model, _accelerator=accelerator)
+    trainer = types.SimpleNamespace(
+        get_model=lambda keep_torch_compile=True: model, _accelerator=accelerator, progress=TrainProgress()
+    )
     torch.save({"model_state_dict": {}}, tmp_path / "any.pt")
     calls = {
         "save_checkpoint": lambda: checkpointing.save_checkpoint(trainer, tmp_path / "ckpt.pt", None, True, True, True),

@@ -12,7 +12,7 @@ KERNELS = Path(fasttrain.kernels.__file__).parent
 ABOVE_ENGINE = (
     "fasttrain.trainer", "fasttrain.callbacks", "fasttrain.prepare", "fasttrain.loops",
     "fasttrain.checkpointing", "fasttrain.signals", "fasttrain.nonfinite", "fasttrain.lightning",
-    "fasttrain.step_metrics", "fasttrain.resume",
+    "fasttrain.step_metrics", "fasttrain.resume", "fasttrain.progress",
 )
 
 
@@ -58,6 +58,12 @@ def test_kernels_import_no_engine_and_no_trainer():
         if _is_under(module, ("fasttrain.engine",) + ABOVE_ENGINE)
     ]
     assert offending == []
+
+
+def test_the_run_counters_import_nothing_from_fasttrain():
+    # TrainProgress is read by the trainer, resume, checkpointing and the loops alike
+    imported = list(imported_modules(PACKAGE / "progress.py"))
+    assert imported and [m for m in imported if _is_under(m, ("fasttrain",))] == []
 
 
 def test_engines_use_no_private_name_of_the_trainer():

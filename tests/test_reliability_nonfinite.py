@@ -217,6 +217,7 @@ def test_processes_share_the_stop_decision():
 
     from fasttrain.metrics import FlushedMetrics
     from fasttrain.nonfinite import NonFiniteGuard
+    from fasttrain.progress import TrainProgress
     from fasttrain.signals import InterruptFlag
     from fasttrain.tracking import InMemoryRunHistory
 
@@ -236,10 +237,9 @@ def test_processes_share_the_stop_decision():
             _accelerator=FakeAccelerator(other_code),
             _interrupt=InterruptFlag(),
             stop_reason=None,
-            _nonfinite_applied=False,
             run_history=InMemoryRunHistory(),
             num_updates=7,
-            _num_updates=7,
+            progress=TrainProgress(num_updates=7),
         )
 
     def metrics(phase, nonfinite, is_epoch_end=False):
@@ -255,4 +255,4 @@ def test_processes_share_the_stop_decision():
     quiet = trainer(other_code=0)
     assert guard.check_flush(quiet, metrics("eval", nonfinite=True)) is None
     assert guard.check_flush(quiet, metrics("eval", nonfinite=False, is_epoch_end=True)) is not None
-    assert quiet.stop_reason == "nonfinite_loss" and not quiet._nonfinite_applied
+    assert quiet.stop_reason == "nonfinite_loss" and not quiet.progress.nonfinite_applied

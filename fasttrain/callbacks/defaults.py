@@ -112,7 +112,7 @@ class ProgressBarCallback(TrainerCallback):
         config = trainer.run_config
         if config is not None and config.max_num_train_steps is not None:
             # a run that reaches max_num_train_steps in this epoch ends before the loader does
-            left = (config.max_num_train_steps - trainer._num_updates) * config.gradient_accumulation_steps
+            left = (config.max_num_train_steps - trainer.progress.num_updates) * config.gradient_accumulation_steps
             self.pbar.total = max(0, min(self.pbar.total, left))
 
     def on_train_step_end(self, trainer, step, **kwargs):

@@ -143,7 +143,7 @@ def run_fit(lt, runner) -> None:
                         results.drain()
                 if update:
                     lt._global_step += 1
-                    runner._num_updates += 1
+                    runner.progress.num_updates += 1
                 if batch_end_hooked:
                     outputs = _batch_end_outputs(batch_output, k)
                 if schedulers:

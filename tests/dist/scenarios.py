@@ -374,7 +374,7 @@ def sync_case(engine: str, k: int) -> dict:
     )
 
     def context():
-        return (recorder.phase, trainer.num_updates, trainer._step_in_epoch, getattr(recorder, "eval_batches_this_epoch", 0))
+        return (recorder.phase, trainer.num_updates, trainer.progress.step_in_epoch, getattr(recorder, "eval_batches_this_epoch", 0))
 
     syncs = SyncRecorder(context)
     with syncs:
