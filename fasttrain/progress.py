@@ -1,10 +1,11 @@
 """The counters of one training run: its updates, where its epoch stands, where a resume continues.
 
 The Trainer owns one :class:`TrainProgress` (``trainer.progress``), which every ``train()``
-resets in place. The training loop (loops.py) advances the update count and the step in the
-epoch; the flush (step_metrics.py) adds the skipped updates; resume.py records the epoch in
-progress, its random state and the point a resumed run continues from; checkpointing.py,
-signals.py, nonfinite.py and the progress bar read them.
+resets in place. The training loops (loops.py, and lightning/loops.py for the Lightning runner)
+advance the update count and the step in the epoch; the flush (step_metrics.py) adds the skipped
+updates; resume.py records the epoch in progress, its random state and the point a resumed run
+continues from; nonfinite.py sets its flag; checkpointing.py, signals.py and the progress bar
+read them.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def device_sync(device: torch.device) -> None:
     """Wait for queued device work; the end of every ``run`` calls it so that the clock read
     after it covers the computation, not just its launch."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # SYNC(bench): the clock must cover the queued work
 
 
 def loader_kwargs(workload: Workload) -> Dict[str, object]:

@@ -211,7 +211,7 @@ class _Memory:
 
     def __enter__(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # SYNC(bench): measure from an idle device
             self._base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.kind = "cuda_max_allocated"
