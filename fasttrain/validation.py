@@ -35,9 +35,7 @@ def one_of(name: str, value, choices) -> None:
 def engine_name(value) -> None:
     from fasttrain.engine import ENGINES  # the engines' owner; imported when a Trainer is built
 
-    names = ("auto", *ENGINES)
-    if value not in names:
-        raise ValueError(f"engine must be one of {', '.join(map(repr, names))}; got {value!r}")
+    one_of("engine", value, ("auto", *ENGINES))
 
 
 def compile_options(options, engine: str) -> None:

@@ -10,9 +10,6 @@ import os
 import re
 import sys
 
-CHUNK, BLOCK = 32768, 4096
-
-
 def _variants():
     from fasttrain.kernels import clip_norm, clip_norm_sharded, clip_value
 
@@ -34,23 +31,26 @@ def _variants():
     }
 
 
-def memory_ops(target_arch: int = 90, num_warps: int = 8) -> dict:
+def memory_ops(target_arch: int = 90) -> dict:
+    """Compiled with fasttrain's launch sizes: DEFAULT_CHUNK, DEFAULT_BLOCK and NUM_WARPS."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from fasttrain.kernels._multi_tensor import DEFAULT_BLOCK, DEFAULT_CHUNK, NUM_WARPS
 
     target = GPUTarget("cuda", target_arch, 32)
     result = {}
     for name, (fn, args, flags) in _variants().items():
         for aligned in (True, False):
-            constexprs = {**flags, "CHUNK": CHUNK, "BLOCK": BLOCK, "ALIGNED": aligned}
+            constexprs = {**flags, "CHUNK": DEFAULT_CHUNK, "BLOCK": DEFAULT_BLOCK, "ALIGNED": aligned}
             # the signature lists every parameter in order, constexprs included
             names = list(fn.arg_names)
             signature = {n: ("constexpr" if n in constexprs else args[n]) for n in names}
             compiled = triton.compile(
                 ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                 target=target,
-                options={"num_warps": num_warps},
+                options={"num_warps": NUM_WARPS},
             )
             counts = {}
             for op in re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*", compiled.asm["ptx"]):

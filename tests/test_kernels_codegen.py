@@ -17,11 +17,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from fasttrain.kernels._multi_tensor import DEFAULT_BLOCK as BLOCK  # noqa: E402
 from fasttrain.kernels._multi_tensor import DTYPE_CODES, NUM_WARPS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "kernel_codegen.py"
-BLOCK = 4096  # the block kernel_codegen.py compiles for, fasttrain's default
+SCRIPT = HERE / "kernel_codegen.py"  # compiles with DEFAULT_BLOCK and NUM_WARPS
 
 
 def _vector_ops_per_thread() -> int:

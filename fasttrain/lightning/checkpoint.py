@@ -91,7 +91,8 @@ def _float_hyperparams(state: dict) -> dict:
             if isinstance(value, torch.Tensor) and value.ndim == 0 and key != "params":
                 group[key] = value.item()  # SYNC(save): a checkpoint is written on the host
             elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-                group[key] = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value)  # SYNC(save): as above
+                # SYNC(save): as above
+                group[key] = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value)
         groups.append(group)
     return {**state, "param_groups": groups}
 
