@@ -1,6 +1,14 @@
 """Starting the multi-process tests' launches (torchrun, two gloo processes) and waiting for
 them: a session of their own, so that a timeout ends the launcher and its workers together, and
-the end of the output in every failure message."""
+the end of the output in every failure message.
+
+A launch still running at its deadline has hung. Before it is killed, every Python process in
+it writes the stacks of all its threads into the log (``PYTHONFAULTHANDLER`` is set and the
+processes get ``SIGABRT``), so the failure names the call each process waits in. A hang is
+retried once when the caller allows it, with a warning that carries the hung attempt's stacks: a
+gloo peer that never answers on a loaded machine fails one attempt, not the suite; a launch that
+hangs twice, or exits with an error, fails the test.
+"""
 
 import os
 import signal
@@ -8,25 +16,38 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 #: what a surrounding launch sets and a new launch must not inherit
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+#: how long the processes of a hung launch get to write their stacks before they are killed
+STACK_DUMP_S = 5.0
+#: the options whose value is the port a launch listens on, renewed when it is started again
+PORT_OPTIONS = ("--master_port", "--main_process_port")
+#: how much of a log a failure message shows: a hung launch's stacks need more
+LOG_TAIL = 6000
+HUNG_LOG_TAIL = 16000
 
 
 #: the result files of a worker run by :func:`run_two_and_one`: both ranks, and the plain process
 RESULT_NAMES = ("rank0_world2", "rank1_world2", "rank0_world1")
 
 
+class LaunchHung(Exception):
+    """A launch was still running at its deadline (its stacks are in its log)."""
+
+
 def launch_env(**extra) -> dict:
     """This process's environment less :data:`LAUNCH_VARIABLES`, one thread a process, unbuffered
-    output, and ``extra``."""
+    output, Python's fault handler on (stacks on ``SIGABRT``), and ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **extra)
     return env
 
 
@@ -38,13 +59,13 @@ def torchrun_two(script: Path, *args) -> list:
 
 def run_two_and_one(worker: Path, out: Path, env, timeout_s: float) -> dict:
     """``worker out`` under torchrun in two processes and, side by side, in one plain process (the
-    references); fails the test unless both succeed within ``timeout_s``. Returns what the worker
-    saved in ``out``, by :data:`RESULT_NAMES`."""
+    references); fails the test unless both succeed within ``timeout_s`` (a hang is retried once).
+    Returns what the worker saved in ``out``, by :data:`RESULT_NAMES`."""
     deadline = time.monotonic() + timeout_s
     multi = start(torchrun_two(worker, out), out / "two_processes.log", env)
     single = start([sys.executable, str(worker), str(out)], out / "one_process.log", env)
-    finish(single, out / "one_process.log", deadline, "the single-process reference")
-    finish(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2")
+    finish(single, deadline, "the single-process reference", retry_s=timeout_s)
+    finish(multi, deadline, "torchrun --nproc_per_node 2", retry_s=timeout_s)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RESULT_NAMES}
 
 
@@ -54,23 +75,95 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd, log_path: Path, env) -> subprocess.Popen:
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def _with_fresh_port(cmd: list) -> list:
+    cmd = list(cmd)
+    for i, arg in enumerate(cmd[:-1]):
+        if arg in PORT_OPTIONS:
+            cmd[i + 1] = str(free_port())
+    return cmd
 
 
-def wait(proc: subprocess.Popen, log_path: Path, deadline: float, what: str) -> int:
-    """The exit code; a launch still running at ``deadline`` is killed and fails the test."""
+class Launch:
+    """A started command with its log, which can be started again."""
+
+    def __init__(self, cmd, log_path: Path, env):
+        self.cmd, self.log_path, self.env = list(cmd), Path(log_path), env
+        self.attempts = 0
+        self.proc = self._popen()
+
+    def _popen(self) -> subprocess.Popen:
+        self.attempts += 1
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def restart(self) -> None:
+        """Start the command again, on a fresh port; the previous log is kept beside the new one."""
+        self.log_path.replace(self.log_path.with_name(f"{self.log_path.name}.attempt{self.attempts}"))
+        self.cmd = _with_fresh_port(self.cmd)
+        self.proc = self._popen()
+
+    def log_tail(self, chars: int = LOG_TAIL) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait(self, deadline: float) -> int:
+        """The exit code; raises :class:`LaunchHung` after writing the stacks of every process of
+        a launch still running at ``deadline`` into its log and killing them."""
+        try:
+            return self.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            self._dump_stacks_and_kill()
+            raise LaunchHung() from None
+
+    def _dump_stacks_and_kill(self) -> None:
+        # torchrun starts each worker in a session of its own: the workers are found as the
+        # launcher's descendants, before the launcher ends and they are handed to init
+        try:
+            launcher = psutil.Process(self.proc.pid)
+            processes = [launcher, *launcher.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            processes = []
+        for process in processes[1:] or processes:
+            _signal(process, signal.SIGABRT)  # the fault handler writes its stacks, then it ends
+        psutil.wait_procs(processes[1:] or processes, timeout=STACK_DUMP_S)
+        for process in processes:
+            _signal(process, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _signal(process, sig) -> None:
     try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"{what} timed out; end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
-    return proc.returncode
+        process.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
 
 
-def finish(proc: subprocess.Popen, log_path: Path, deadline: float, what: str) -> None:
-    """Wait for the launch and fail the test unless it exited with 0."""
-    if wait(proc, log_path, deadline, what) != 0:
-        pytest.fail(f"{what} failed ({proc.returncode}); end of its output:\n{log_path.read_text(errors='replace')[-6000:]}")
+def start(cmd, log_path: Path, env) -> Launch:
+    return Launch(cmd, log_path, env)
+
+
+def wait(launch: Launch, deadline: float, what: str) -> int:
+    """The exit code; a launch still running at ``deadline`` fails the test with its stacks."""
+    try:
+        return launch.wait(deadline)
+    except LaunchHung:
+        pytest.fail(f"{what} timed out; end of its output, with the stacks of its processes:\n"
+                    f"{launch.log_tail(HUNG_LOG_TAIL)}")
+
+
+def finish(launch: Launch, deadline: float, what: str, retry_s: float = None) -> None:
+    """Wait for the launch and fail the test unless it exited with 0. With ``retry_s``, a launch
+    that hangs is started once more and given ``retry_s`` seconds, with a warning carrying the
+    stacks of the hung attempt."""
+    try:
+        code = launch.wait(deadline)
+    except LaunchHung:
+        if retry_s is None:
+            pytest.fail(f"{what} timed out; end of its output, with the stacks of its processes:\n"
+                        f"{launch.log_tail(HUNG_LOG_TAIL)}")
+        hung = launch.log_tail(HUNG_LOG_TAIL)
+        launch.restart()
+        warnings.warn(f"{what} hung and was started again; the stacks of its processes:\n{hung}", stacklevel=2)
+        code = wait(launch, time.monotonic() + retry_s, f"{what} (started again after a hang)")
+    if code != 0:
+        pytest.fail(f"{what} failed ({code}); end of its output:\n{launch.log_tail()}")

@@ -3,12 +3,9 @@ save into a directory holding other files is refused, keep-last-N never deletes 
 states after a resume, and a process that fails a save or the verification of a load makes the
 others fail too instead of waiting."""
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,11 +13,10 @@ import pytest
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
+from launching import finish, launch_env, start, torchrun_two  # noqa: E402
 from tiny_run import keep_last_two_run, trained_small  # noqa: E402
 
 from fasttrain import checkpointing  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -118,30 +114,13 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_a_process_failing_a_save_or_load_does_not_leave_the_others_waiting(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    log = tmp_path / "log.txt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), str(tmp_path), str(SCRIPTS)]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        proc.wait(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"the processes hung; end of their output:\n{log.read_text(errors='replace')[-4000:]}")
-    assert proc.returncode == 0, log.read_text(errors="replace")[-4000:]
+    launch = start(torchrun_two(script, tmp_path, SCRIPTS), tmp_path / "log.txt", launch_env(ACCELERATE_USE_CPU="1"))
+    # no retry: a hang here is what the test is about
+    finish(launch, time.monotonic() + 150, "the two processes")
     rank0 = (tmp_path / "rank0.txt").read_text().split()
     rank1 = (tmp_path / "rank1.txt").read_text().split()
     assert rank0 == ["state:OSError", "checkpoint:OSError", "resume:CheckpointError"]

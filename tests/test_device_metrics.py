@@ -1,8 +1,6 @@
 """DeviceMetricsCallback: metrics updated on the device per step, computed at epoch ends."""
 
-import os
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 torchmetrics = pytest.importorskip("torchmetrics")
+
+from launching import finish, launch_env, start, torchrun_two  # noqa: E402
 
 from fasttrain.callbacks import TrainerCallback  # noqa: E402
 from fasttrain.callbacks.device_metrics import DeviceMetricsCallback  # noqa: E402
@@ -103,20 +103,9 @@ def test_bad_arguments_say_what_to_pass():
 
 @pytest.mark.multiprocess
 def test_two_gloo_processes_compute_over_all_samples(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(HERE / "dist" / "device_metrics_worker.py"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch = start(torchrun_two(HERE / "dist" / "device_metrics_worker.py", tmp_path), tmp_path / "launch.log",
+                   launch_env(ACCELERATE_USE_CPU="1"))
+    finish(launch, time.monotonic() + 300, "the two processes", retry_s=300)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["num_processes"] == 2
     # each process saw part of the 13 evaluation samples per epoch; the metric covers all of them

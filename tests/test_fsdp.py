@@ -59,8 +59,8 @@ def launches(tmp_path_factory):
     multi = _start(torchrun_two(WORKER, str(out)), out / "two_processes.log", cpu_env)
     single = _start([sys.executable, str(WORKER), str(out)], out / "one_process.log", cpu_env)
     bad = _start(torchrun_two(WORKER, "--bad-launch"), out / "bad_launch.log", bad_env)
-    bad_code = _wait(bad, out / "bad_launch.log", start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
-    bad_log = (out / "bad_launch.log").read_text(errors="replace")
+    bad_code = _wait(bad, start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
+    bad_log = bad.log_path.read_text(errors="replace")
     (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
     config_launch = _start(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "fsdp2.yaml"),
@@ -69,11 +69,11 @@ def launches(tmp_path_factory):
         cpu_env,
     )
     deadline = start + LAUNCH_TIMEOUT_S
-    _succeed(config_launch, out / "config_file_launch.log", deadline, "accelerate launch --config_file fsdp2.yaml")
-    _succeed(single, out / "one_process.log", deadline, "the single-process reference")
-    _succeed(multi, out / "two_processes.log", deadline, "torchrun --nproc_per_node 2 (FSDP2)")
+    _succeed(config_launch, deadline, "accelerate launch --config_file fsdp2.yaml", retry_s=LAUNCH_TIMEOUT_S)
+    _succeed(single, deadline, "the single-process reference", retry_s=LAUNCH_TIMEOUT_S)
+    _succeed(multi, deadline, "torchrun --nproc_per_node 2 (FSDP2)", retry_s=LAUNCH_TIMEOUT_S)
     again = _start(torchrun_two(WORKER, "--compiled-again", str(out)), out / "compiled_again.log", cpu_env)
-    _succeed(again, out / "compiled_again.log", time.monotonic() + LAUNCH_TIMEOUT_S, "the second compiled launch")
+    _succeed(again, time.monotonic() + LAUNCH_TIMEOUT_S, "the second compiled launch", retry_s=LAUNCH_TIMEOUT_S)
     loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RESULT_NAMES}
     print(f"\nFSDP launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))

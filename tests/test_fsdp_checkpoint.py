@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import types
@@ -29,18 +26,12 @@ DIST = REPO / "tests" / "dist"
 sys.path.insert(0, str(DIST))
 
 import fsdp_ckpt_worker as worker  # noqa: E402
+from launching import finish, launch_env, start, torchrun_two  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-LAUNCH_TIMEOUT_S = 180
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+LAUNCH_TIMEOUT_S = 120
 DAMAGES = ("missing_shard", "truncated_shard", "flipped_byte_rank1_shard", "missing_dcp_metadata", "no_manifest")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +41,10 @@ def run(tmp_path_factory):
     worker.train(single, num_epochs=1)
     single.save_checkpoint(str(out / "single.pt"))
 
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    log = out / "launch.log"
-    start = time.monotonic()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(DIST / "fsdp_ckpt_worker.py"), str(out)]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"the launch timed out; end of its output:\n{log.read_text(errors='replace')[-6000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"the launch failed ({proc.returncode}); end of its output:\n{log.read_text(errors='replace')[-6000:]}")
-    print(f"\nFSDP2 checkpoint launch: {time.monotonic() - start:.1f}s")
+    started = time.monotonic()
+    launch = start(torchrun_two(DIST / "fsdp_ckpt_worker.py", out), out / "launch.log", launch_env(ACCELERATE_USE_CPU="1"))
+    finish(launch, started + LAUNCH_TIMEOUT_S, "the FSDP2 checkpoint launch", retry_s=LAUNCH_TIMEOUT_S)
+    print(f"\nFSDP2 checkpoint launch: {time.monotonic() - started:.1f}s")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     return types.SimpleNamespace(out=out, ranks=ranks)
 

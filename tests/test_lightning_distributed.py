@@ -2,10 +2,8 @@
 process: the two processes' batches of 4 together are the reference's batch of 8, so the weights,
 the step count and the process-averaged validation loss must agree."""
 
-import os
-import socket
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,26 +15,17 @@ sys.path.insert(0, str(HERE / "lightning"))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
+from launching import finish, launch_env, start, torchrun_two  # noqa: E402
 from lightning_modules import QUIET, assert_same_weights, classification_data, loader  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_match_one_lightning_process(tmp_path, strategy):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE / "lightning" / "ddp_worker.py"), str(tmp_path), strategy]
-    proc = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    launch = start(torchrun_two(HERE / "lightning" / "ddp_worker.py", tmp_path, strategy), tmp_path / "launch.log",
+                   launch_env(ACCELERATE_USE_CPU="1"))
+    finish(launch, time.monotonic() + 300, "the two processes", retry_s=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
     from ddp_worker import SyncedClassifier

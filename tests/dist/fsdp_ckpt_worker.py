@@ -174,6 +174,7 @@ def main(out: Path) -> None:
     }
     for name, damage in damaged.items():
         if rank == 0:
+            shutil.rmtree(out / name, ignore_errors=True)  # left by an earlier launch
             shutil.copytree(out / "states_no_sync" / "step_4", out / name)
             damage(out / name)
         barrier()

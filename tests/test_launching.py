@@ -1,0 +1,88 @@
+"""The multi-process tests' launcher (tests/launching.py): a hung launch shows where each of its
+processes waits, leaves no process behind, and is retried once when the caller allows it."""
+
+import sys
+import time
+
+import psutil
+import pytest
+
+from launching import finish, launch_env, start, torchrun_two, wait
+
+# waits in a function of its own name, so that its stack can be recognised; hangs only on the
+# first run when MARKER is given (the marker file records that a run happened)
+SCRIPT = """\
+import os, sys, time
+marker = sys.argv[1] if len(sys.argv) > 1 else None
+def waiting_in_the_script():
+    time.sleep(600)
+rank = os.environ.get("RANK", "plain")
+first = marker is None or not os.path.exists(marker + rank)
+if marker:
+    open(marker + rank, "w").close()
+print(f"started {rank}", flush=True)
+if first:
+    waiting_in_the_script()
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "hangs.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _descendants_ended(launch) -> None:
+    assert launch.proc.poll() is not None
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(launch.cmd[-1]) in " ".join(p.info["cmdline"] or [])]
+    assert left == []
+
+
+def test_a_hung_plain_process_fails_with_its_stack(tmp_path, script):
+    launch = start([sys.executable, str(script)], tmp_path / "plain.log", launch_env())
+    with pytest.raises(pytest.fail.Exception) as failure:
+        wait(launch, time.monotonic() + 3, "the script")
+    message = str(failure.value)
+    assert message.startswith("the script timed out")
+    assert "waiting_in_the_script" in message and "started plain" in message
+    _descendants_ended(launch)
+
+
+@pytest.mark.multiprocess
+def test_a_hung_torchrun_launch_shows_both_workers_stacks_and_ends_them(tmp_path, script):
+    launch = start(torchrun_two(script, tmp_path / "never"), tmp_path / "two.log", launch_env())
+    deadline = time.monotonic() + 60
+    # the deadline comes once both workers wait in the script
+    while not all((tmp_path / f"never{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.log_tail()
+        time.sleep(0.2)
+    with pytest.raises(pytest.fail.Exception) as failure:
+        wait(launch, time.monotonic() + 1, "torchrun")
+    message = str(failure.value)
+    # one stack per worker (each process's fault handler), each in the script's function
+    assert message.count("waiting_in_the_script") >= 2, message
+    _descendants_ended(launch)
+
+
+def test_a_hang_is_started_again_once_with_a_warning(tmp_path, script):
+    launch = start([sys.executable, str(script), str(tmp_path / "ran")], tmp_path / "again.log", launch_env())
+    with pytest.warns(UserWarning, match="(?s)the script hung and was started again.*waiting_in_the_script"):
+        finish(launch, time.monotonic() + 3, "the script", retry_s=30)
+    assert launch.attempts == 2
+    assert "waiting_in_the_script" in (tmp_path / "again.log.attempt1").read_text()
+    assert (tmp_path / "again.log").read_text() == "started plain\n"
+
+
+def test_without_retry_a_hang_fails(tmp_path, script):
+    launch = start([sys.executable, str(script), str(tmp_path / "ran")], tmp_path / "once.log", launch_env())
+    with pytest.raises(pytest.fail.Exception, match="the script timed out"):
+        finish(launch, time.monotonic() + 3, "the script")
+    assert launch.attempts == 1
+
+
+def test_a_failing_launch_fails_at_once_with_its_output(tmp_path):
+    launch = start([sys.executable, "-c", "print('before'); raise SystemExit(3)"], tmp_path / "fails.log", launch_env())
+    with pytest.raises(pytest.fail.Exception, match="(?s)the script failed \\(3\\).*before"):
+        finish(launch, time.monotonic() + 30, "the script", retry_s=30)
+    assert launch.attempts == 1
