@@ -67,6 +67,11 @@ def replace_trainer_placeholder_values(trainer, instance):
     return resolve_placeholders(instance, values)
 
 
+def _engine_running(engine, attribute: str) -> Optional[str]:
+    # eager has one path for both phases and no fallback: its name is what runs
+    return None if engine is None else getattr(engine, attribute, engine.name)
+
+
 def _callback_sequence(callbacks) -> tuple:
     """``callbacks`` as a tuple: ``None`` means no callbacks, a single callback (class or
     instance) is accepted alone; anything else must be an iterable of callbacks."""
@@ -269,6 +274,18 @@ class Trainer(ForwardBackwardHelper):
     @property
     def skipped_updates(self) -> int:
         return self.progress.skipped_updates
+
+    @property
+    def active_engine(self) -> Optional[str]:
+        """The engine that runs the training steps (``"eager"``, ``"compiled"`` or
+        ``"cudagraph"``): what ``engine="auto"`` chose, after any fallback. None before the
+        engine is set up (the first ``train()`` or ``evaluate()``)."""
+        return _engine_running(self._engine, "active_engine")
+
+    @property
+    def active_eval_engine(self) -> Optional[str]:
+        """The engine that runs the evaluation steps, as :attr:`active_engine`."""
+        return _engine_running(self._engine, "active_eval_engine")
 
     # ------------------------------------------------------------------ hooks
     def training_run_start(self):

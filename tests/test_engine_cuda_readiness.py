@@ -89,7 +89,7 @@ class FloodTableCache(TrainerCallback):
 
 def test_evicted_chunk_tables_stay_alive_for_the_graphs():
     eager, graphed = _eager_and_graphed_with(FloodTableCache)
-    assert graphed._engine.active_engine == "cudagraph"
+    assert graphed.active_engine == "cudagraph"
     assert any(captured.tables for captured in graphed._engine._train_graphs.values())
     _assert_same_parameters(eager, graphed)
 
@@ -125,7 +125,7 @@ def test_ten_compiled_trainers_in_one_process():
                               engine="compiled", callbacks=[])
             trainer.train(vector_data(n=16), 1, per_device_batch_size=8, gradient_clip_norm=1.0,
                           train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
-            assert trainer._engine.active_engine == "compiled"
+            assert trainer.active_engine == "compiled"
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     assert recompile_limit.hit_count() == hits, recompile_limit.new_hits(hits)
 
@@ -143,7 +143,7 @@ class ClearGradientsMidWindow(TrainerCallback):
 
 def test_gradients_set_to_none_between_replays_match_eager():
     eager, graphed = _eager_and_graphed_with(ClearGradientsMidWindow)
-    assert graphed._engine.active_engine == "cudagraph"
+    assert graphed.active_engine == "cudagraph"
     _assert_same_parameters(eager, graphed)
 
 

@@ -133,8 +133,8 @@ def test_host_read_in_a_captured_hook_falls_back_to_compiled_once():
         graphed = run(case, "cudagraph", AOT)
     messages = fasttrain_warnings(caught)
     assert len(messages) == 1 and "'optimizer_step'" in messages[0] and "'compiled'" in messages[0], messages
-    assert graphed.trainer._engine.active_engine == "compiled"
-    assert graphed.trainer._engine.active_eval_engine == "cudagraph"
+    assert graphed.trainer.active_engine == "compiled"
+    assert graphed.trainer.active_eval_engine == "cudagraph"
     assert_runs_match(eager, graphed)
 
 
@@ -145,7 +145,7 @@ def test_changing_shapes_fall_back_to_compiled_once():
         graphed = run(case, "cudagraph", {**AOT, "dynamic": None}, collate_fn=RaggedCollate(), eval_dataset=None)
     messages = fasttrain_warnings(caught)
     assert len(messages) == 1 and "dynamic shapes" in messages[0], messages
-    assert graphed.trainer._engine.active_engine == "compiled"
+    assert graphed.trainer.active_engine == "compiled"
 
 
 def test_a_swapped_in_model_is_evaluated_off_graph(tmp_path):
@@ -167,7 +167,7 @@ def test_a_swapped_in_model_is_evaluated_off_graph(tmp_path):
         return trainer
 
     eager, graphed = make("eager"), make("cudagraph")
-    assert graphed._engine.active_eval_engine == "cudagraph" and graphed._engine._eval_graph is not None
+    assert graphed.active_eval_engine == "cudagraph" and graphed._engine._eval_graph is not None
     for name in ("eval_loss_epoch", "ema_model_eval_loss_epoch"):
         torch.testing.assert_close(
             torch.tensor(graphed.run_history.get_metric_values(name)),

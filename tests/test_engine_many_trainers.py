@@ -53,7 +53,7 @@ def _many_trainers(count):
             before = counters["frames"]["ok"]
             trainer = _train(i)
             frames.append(counters["frames"]["ok"] - before)
-            assert trainer._engine.active_engine == "compiled"
+            assert trainer.active_engine == "compiled"
     assert not _ours(caught), _ours(caught)
     assert recompile_limit.hit_count() == hits, recompile_limit.new_hits(hits)
     return frames
@@ -91,6 +91,6 @@ def test_a_recompile_limit_hit_warns_once_and_runs_eager(fresh_dynamo):
         trainer = _train(1, callbacks=[LimitHitAt()])
     messages = _ours(caught)
     assert len(messages) == 1 and "recompile_limit=8 for 'wrapper'" in messages[0] and "'eager'" in messages[0], messages
-    assert trainer._engine.active_engine == "eager"
+    assert trainer.active_engine == "eager"
     # the eager engine steps with plain floats again (no host read of a tensor lr per step)
     assert isinstance(trainer.optimizer.param_groups[0]["lr"], float)

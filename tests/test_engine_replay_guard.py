@@ -190,4 +190,4 @@ def test_a_change_at_every_step_stops_capturing_with_one_warning(monkeypatch):
     messages = fasttrain_warnings(caught)
     assert len(messages) == 1 and "requires_grad changed" in messages[0] and "2 times" in messages[0], messages
     assert "'compiled'" in messages[0]
-    assert graphed.trainer._engine.active_engine == "compiled"
+    assert graphed.trainer.active_engine == "compiled"

@@ -81,8 +81,8 @@ def engine_warnings():
 def assert_compiled_steady(result, epochs_checked=None):
     """Compiled throughout, nothing new compiled after the first epoch, and graph breaks only
     where torch's optimizers put them on purpose (the forward is traced with fullgraph=True)."""
-    assert result.trainer._engine.active_engine == "compiled"
-    assert result.trainer._engine.active_eval_engine == "compiled"
+    assert result.trainer.active_engine == "compiled"
+    assert result.trainer.active_eval_engine == "compiled"
     counts = result.recorder.counts_after_epoch
     assert len(counts) >= 2
     assert counts[-1] == counts[0], f"recompiled after the first epoch: {counts}"
@@ -211,8 +211,8 @@ def test_untraceable_loss_hook_falls_back_to_eager_with_one_warning(engine_warni
     assert len(engine_warnings) == 1, [str(w.message) for w in engine_warnings]
     message = str(engine_warnings[0].message)
     assert "'calculate_train_batch_loss'" in message and "eager" in message and "item()" in message
-    assert compiled.trainer._engine.active_engine == "eager"
-    assert compiled.trainer._engine.active_eval_engine == "compiled"  # evaluation traced fine
+    assert compiled.trainer.active_engine == "eager"
+    assert compiled.trainer.active_eval_engine == "compiled"  # evaluation traced fine
     # the failed trace ran nothing, the eager redo ran the step once: same floats as eager
     assert compiled.recorder.train == eager.recorder.train
     assert_runs_match(eager, compiled)
@@ -243,7 +243,7 @@ def test_failure_after_the_update_ran_is_undone_not_applied_twice(engine_warning
     compiled = run(case, "compiled", AOT)
     assert len(engine_warnings) == 1
     assert "'optimizer_step'" in str(engine_warnings[0].message)
-    assert compiled.trainer._engine.active_engine == "eager"
+    assert compiled.trainer.active_engine == "eager"
     # restored parameters, BatchNorm statistics, gradients, Adam state and step count: an update
     # applied twice (or the first micro-step's gradients lost) would be off by ~1e-2
     assert_runs_match(eager, compiled)
@@ -264,8 +264,8 @@ def test_evaluation_falls_back_on_its_own(engine_warnings):
     compiled = run(sgd_case(ItemEvalTrainer), "compiled", AOT)
     assert len(engine_warnings) == 1
     assert "'calculate_eval_batch_loss'" in str(engine_warnings[0].message)
-    assert compiled.trainer._engine.active_engine == "compiled"
-    assert compiled.trainer._engine.active_eval_engine == "eager"
+    assert compiled.trainer.active_engine == "compiled"
+    assert compiled.trainer.active_eval_engine == "eager"
     assert_runs_match(eager, compiled)
 
 
@@ -274,8 +274,8 @@ def test_cudagraph_without_cuda_falls_back_to_compiled_once(engine_warnings):
     graphed = run(sgd_case(), "cudagraph", AOT)
     assert len(engine_warnings) == 1
     assert "CUDA" in str(engine_warnings[0].message) and "'compiled'" in str(engine_warnings[0].message)
-    assert graphed.trainer._engine.active_engine == "compiled"
-    assert graphed.trainer._engine.active_eval_engine == "compiled"
+    assert graphed.trainer.active_engine == "compiled"
+    assert graphed.trainer.active_eval_engine == "compiled"
     assert_runs_match(eager, graphed)
 
 
@@ -286,7 +286,7 @@ def test_auto_takes_compiled_quietly_when_graphs_cannot_run(monkeypatch, engine_
     graphed = run(sgd_case(), "auto", AOT, num_epochs=1)
     assert not engine_warnings
     assert graphed.trainer._engine.name == "cudagraph"
-    assert graphed.trainer._engine.active_engine == "compiled"
+    assert graphed.trainer.active_engine == "compiled"
 
 
 # ----------------------------------------------------------------------------- setup
@@ -297,6 +297,13 @@ def test_auto_is_eager_on_the_cpu():
     assert create_engine("auto", prepare.step_context(trainer, Trainer)).name == "eager"
     with pytest.raises(TypeError, match="StepContext"):
         create_engine("auto", trainer)
+
+
+def test_the_trainer_says_which_engine_runs():
+    trainer = Trainer(MLP(), torch.nn.functional.cross_entropy, None, callbacks=[], engine="auto")
+    assert trainer.active_engine is None and trainer.active_eval_engine is None  # not set up yet
+    ran = run(sgd_case(), "auto", num_epochs=1)
+    assert ran.trainer.active_engine == ran.trainer.active_eval_engine == "eager"
 
 
 @pytest.mark.parametrize(
