@@ -10,13 +10,18 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import torch
+
 PRECISIONS = {
     None: "no", 32: "no", "32": "no", "32-true": "no",
-    "bf16-mixed": "bf16", "16-mixed": "fp16", 16: "fp16", "16": "fp16",
+    "bf16-mixed": "bf16", "bf16": "bf16", "16-mixed": "fp16", 16: "fp16", "16": "fp16",
 }
+# Lightning's legacy spellings of the mixed modes: accepted with its warning naming the current one
+_DISCOURAGED_PRECISIONS = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed"}
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 STRATEGIES = ("auto", "ddp", "fsdp")
 GRADIENT_CLIP_ALGORITHMS = (None, "norm", "value")
@@ -105,9 +110,20 @@ class TrainerArguments:
             raise ValueError(
                 f"precision={self.precision!r} is not supported; use one of '32-true', 'bf16-mixed', '16-mixed'"
             )
+        if self.precision in _DISCOURAGED_PRECISIONS:
+            warnings.warn(
+                f"`precision={self.precision}` is supported for historical reasons but its usage is discouraged. "
+                f"Please set your precision to {_DISCOURAGED_PRECISIONS[self.precision]} instead!",
+                stacklevel=5,
+            )
         self.mixed_precision = PRECISIONS[self.precision]
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
+        if self.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"accelerator={self.accelerator!r} but CUDA is not available on this machine; use "
+                "accelerator='cpu', or 'auto' to train on a GPU when there is one"
+            )
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy must be one of {STRATEGIES} (distribution runs through accelerate), got {self.strategy!r}"

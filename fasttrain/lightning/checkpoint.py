@@ -11,12 +11,16 @@ every_n_train_steps=...)``) resumes at the next batch rather than at the epoch s
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
+from typing import Optional
 
 import lightning
 import torch
 
-from fasttrain.checkpoint_files import replaced_atomically
+from fasttrain.checkpoint_files import CheckpointError, replaced_atomically
+
+_SCALER_KEY = "MixedPrecision"
 
 
 def _progress(ready, completed, processed=None, started=None) -> dict:
@@ -117,7 +121,7 @@ def dump_checkpoint(lt, weights_only: bool = False) -> dict:
         checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in lt.lr_scheduler_configs]
         scaler = lt._scaler()
         if scaler is not None:
-            checkpoint["MixedPrecision"] = scaler.state_dict()
+            checkpoint[_SCALER_KEY] = scaler.state_dict()
     if module.hparams:
         if hasattr(module, "_hparams_name"):
             checkpoint["hparams_name"] = module._hparams_name
@@ -161,17 +165,35 @@ def resolve_path(lt, ckpt_path) -> str:
     return path
 
 
-def restore(lt, path: str, weights_only: bool = False) -> dict:
-    """Load a Lightning-format checkpoint into the module (and, for fit, the optimizers,
-    schedulers, callbacks and loop counters)."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+def load(path: str, weights_only: Optional[bool] = None) -> dict:
+    """``torch.load`` of a checkpoint as Lightning loads a local file: ``weights_only`` None or
+    True reads only tensors and plain Python values, so a file carrying other pickled objects
+    (whose unpickling can run code) is refused with an error saying how to load it when trusted."""
+    safe = weights_only is None or weights_only
+    try:
+        return torch.load(path, map_location="cpu", weights_only=safe)
+    except pickle.UnpicklingError as error:
+        if not safe:
+            raise
+        raise CheckpointError(
+            f"Refusing to load {path}: it holds objects other than tensors and plain Python values, and "
+            "unpickling them could run arbitrary code. If (and only if) you trust the file, pass "
+            f"weights_only=False to fit/validate/test/predict. Details: {error}"
+        ) from error
+
+
+def restore(lt, path: str, model_only: bool = False, weights_only: Optional[bool] = None) -> dict:
+    """Load a Lightning-format checkpoint into the module (and, unless ``model_only``, for fit,
+    the optimizers, schedulers, callbacks, loop counters and the loss scaler's state, which is
+    loaded once the fit's scaler exists). ``weights_only`` as for :func:`load`."""
+    checkpoint = load(path, weights_only)
     module = lt.lightning_module
     for key in ("pytorch-lightning_version", "state_dict"):
         if key not in checkpoint:
             raise KeyError(f"{path} is not a Lightning checkpoint: it lacks {key!r}")
     lt._hooks.module_hook("on_load_checkpoint", checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
-    if weights_only:
+    if model_only:
         return checkpoint
     for key in ("optimizer_states", "lr_schedulers"):
         if key not in checkpoint:
@@ -193,6 +215,8 @@ def restore(lt, path: str, weights_only: bool = False) -> dict:
     dm = lt.datamodule
     if dm is not None and type(dm).__qualname__ in checkpoint:
         dm.load_state_dict(checkpoint[type(dm).__qualname__])
+    # Lightning's key for the fp16 scaler (its MixedPrecision plugin), and the one of older versions
+    lt._scaler_state = checkpoint.get(_SCALER_KEY, checkpoint.get("native_amp_scaling_state"))
     _restore_counters(lt, checkpoint)
     return checkpoint
 

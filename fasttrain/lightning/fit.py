@@ -4,6 +4,7 @@ attaching the module, data, optimizers, the engine choice, checkpoints to resume
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import warnings
 from typing import Any, Callable, Optional
@@ -12,12 +13,19 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.model_summary import summarize
 
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import limited_batches
-from fasttrain.lightning.hooks import BACKWARD_HOOKS, UPDATE_HOOKS, HookCaller, module_overrides
+from fasttrain.lightning.hooks import (
+    BACKWARD_HOOKS,
+    UPDATE_HOOKS,
+    HookCaller,
+    merge_module_callbacks,
+    module_overrides,
+)
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.runner import ModuleRunner
 
@@ -51,9 +59,50 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     lt.state.fn = fn
     lt.state.status = TrainerStatus.RUNNING
     lt.should_stop = False
+    # before the hooks are resolved, so the module's callbacks get every hook of this run
+    merge_module_callbacks(lt, model)
     lt._hooks = HookCaller(lt, model, lt.callbacks)
     lt._eval_seen = collections.defaultdict(int)
-    lt._batch_hooks = {name: module_overrides(model, name) for name in _BATCH_HOOKS}
+    lt._batch_hooks = _batch_hooks(lt._hooks, model, datamodule)
+
+
+def _batch_hooks(hooks: HookCaller, model, datamodule) -> dict:
+    """For each batch-transfer hook, what a batch goes through: the DataModule's override when
+    the DataModule given to this call overrides it, else the module's override, else None (the
+    hook is skipped; the default move to the device runs off the CPU). Lightning's rule, with its
+    warnings when both override or when only the module does while a DataModule is given."""
+    selected = {}
+    for name in _BATCH_HOOKS:
+        in_module = is_overridden(name, model)
+        if datamodule is not None and is_overridden(name, datamodule):
+            if in_module:
+                warnings.warn(
+                    f"You have overridden `{name}` in both `LightningModule` and `LightningDataModule`. "
+                    "It will use the implementation from `LightningDataModule` instance.",
+                    stacklevel=5,
+                )
+            selected[name] = getattr(datamodule, name)
+            continue
+        if in_module and datamodule is not None:
+            warnings.warn(
+                f"You have overridden `{name}` in `LightningModule` but have passed in a `LightningDataModule`. "
+                "It will use the implementation from `LightningModule` instance.",
+                stacklevel=5,
+            )
+        selected[name] = functools.partial(hooks.module_hook, name) if in_module else None
+    return selected
+
+
+def _check_sized(loaders, what: str) -> None:
+    for loader in loaders:
+        try:
+            len(loader)
+        except TypeError:
+            raise TypeError(
+                f"the {what} dataloader has no length (len() of it raised TypeError; an IterableDataset without "
+                "__len__?): fasttrain.lightning counts an epoch's batches up front. Use a map-style Dataset, or "
+                "give the dataset a __len__ returning the number of samples it yields."
+            ) from None
 
 
 def _setup_hooks(lt, stage) -> None:
@@ -107,11 +156,12 @@ def _call_and_teardown(lt, stage, run: Callable[[], Any], finish: Optional[Calla
     return result
 
 
-def _restore_weights(lt, ckpt_path) -> None:
-    """The weights of ``ckpt_path`` ("best", "last" or a file), for an evaluation or prediction."""
+def _restore_weights(lt, ckpt_path, weights_only) -> None:
+    """The weights of ``ckpt_path`` ("best", "last" or a file), for an evaluation or prediction;
+    ``weights_only`` as for ``torch.load`` (None: safe loading)."""
     if ckpt_path is not None:
         lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore(lt, lt.ckpt_path, weights_only=True)
+        ckpt_io.restore(lt, lt.ckpt_path, model_only=True, weights_only=weights_only)
 
 
 def _loader(lt, given, hook: str):
@@ -181,7 +231,7 @@ def _runner(lt, optimizer, engine: str) -> ModuleRunner:
     return runner
 
 
-def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) -> None:
+def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only=None) -> None:
     if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
         raise ValueError("pass either dataloaders or a datamodule to fit(), not both")
     if isinstance(train_dataloaders, LightningDataModule):
@@ -195,9 +245,11 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
         raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
     if isinstance(train_loader, (list, tuple, dict)):
         raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
+    _check_sized([train_loader], "training")
     lt._train_loader = train_loader
     lt._val_loaders = _as_list(_loader(lt, val_dataloaders, "val_dataloader")) if module_overrides(
         module, "validation_step") else []
+    _check_sized(lt._val_loaders, "validation")
     runner = _runner(lt, None, "eager")
     # accelerate gives each process every world-th batch (padded to the same count), so the
     # per-process count is known before the loaders are prepared
@@ -230,9 +282,10 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path) ->
         )
     runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
     lt._resumed = False
+    lt._scaler_state = None
     if ckpt_path is not None:
         lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore(lt, lt.ckpt_path)
+        ckpt_io.restore(lt, lt.ckpt_path, weights_only=weights_only)
         lt._resumed = True
     _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
     if lt._args.enable_model_summary and lt.is_global_zero:
@@ -278,7 +331,7 @@ def _check_manual(lt) -> None:
         raise ValueError("precision='16-mixed' with manual optimization is not supported; use 'bf16-mixed'")
 
 
-def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
+def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_only=None) -> list:
     fn = TrainerFn.TESTING if stage == "test" else TrainerFn.VALIDATING
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
@@ -291,11 +344,12 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
     loaders = _as_list(_loader(lt, dataloaders, hook))
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
+    _check_sized(loaders, "test" if stage == "test" else "validation")
     if stage == "test":
         lt._test_loaders = loaders
     else:
         lt._val_loaders = loaders
-    _restore_weights(lt, ckpt_path)
+    _restore_weights(lt, ckpt_path, weights_only)
     runner = _runner(lt, None, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     runner.prepare_for_evaluation(loaders[0])
     if runner.run_config.is_distributed:
@@ -303,7 +357,7 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule) -> list:
     return _call_and_teardown(lt, fn, lambda: run_evaluation(lt, runner, stage))
 
 
-def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
+def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only=None):
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
@@ -311,7 +365,8 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions):
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    _restore_weights(lt, ckpt_path)
+    _check_sized(loaders, "prediction")
+    _restore_weights(lt, ckpt_path, weights_only)
     runner = _runner(lt, None, "eager")
     runner.prepare_for_evaluation(loaders[0])
     predictions = _call_and_teardown(lt, TrainerFn.PREDICTING, lambda: run_predict(lt, runner, loaders))

@@ -8,10 +8,18 @@ hooks someone wrote.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Dict, List
 
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
+from lightning.pytorch.callbacks import (
+    Checkpoint,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    ProgressBar,
+    ThroughputMonitor,
+)
+from lightning.pytorch.utilities import rank_zero_info
 
 # hooks whose module override runs host code inside the optimizer update: the compiled update
 # cannot honour them (see Trainer's engine choice)
@@ -41,6 +49,75 @@ def is_monitoring(callback: Callback) -> bool:
     # Lightning calls these after the module's on_train_epoch_end, so they can monitor a value
     # logged there
     return isinstance(callback, (Checkpoint, EarlyStopping))
+
+
+# Lightning callbacks that need parts of lightning.Trainer fasttrain does not have: what to use instead
+_UNSUPPORTED_CALLBACKS = (
+    (GradientAccumulationScheduler,
+     "fasttrain keeps one accumulation for the whole fit; set Trainer(accumulate_grad_batches=N), or fit in "
+     "stages (one Trainer per accumulation, resuming with fit(ckpt_path=...))"),
+    (ProgressBar,
+     "fasttrain draws its own progress bar (moved at the log flushes, so it reads no value from the device per "
+     "step); leave the bar out of callbacks and set Trainer(enable_progress_bar=True), with a smaller "
+     "log_every_n_steps to move it more often"),
+    (ThroughputMonitor,
+     "it times every batch (synchronising the device each step) through loop internals fasttrain does not "
+     "have; time epochs in a Callback of your own (on_train_epoch_start/on_train_epoch_end)"),
+)
+
+
+def check_supported_callbacks(callbacks) -> None:
+    """A ``ValueError`` naming the first callback fasttrain cannot run, and what to use instead
+    (such a callback would otherwise do nothing or fail deep inside a hook)."""
+    for callback in callbacks:
+        for kind, instead in _UNSUPPORTED_CALLBACKS:
+            if isinstance(callback, kind):
+                raise ValueError(
+                    f"fasttrain.lightning.Trainer does not support the callback {type(callback).__name__}: {instead}."
+                )
+
+
+def order_callbacks(callbacks) -> list:
+    """Checkpoint callbacks last (order otherwise kept), as Lightning runs them: they see what
+    the others did."""
+    return [cb for cb in callbacks if not isinstance(cb, Checkpoint)] + [
+        cb for cb in callbacks if isinstance(cb, Checkpoint)
+    ]
+
+
+def merge_module_callbacks(trainer, module: LightningModule) -> None:
+    """Add the callbacks ``module.configure_callbacks()`` returns to ``trainer.callbacks``, as
+    Lightning does at the start of every fit, validate, test and predict: a returned callback
+    replaces the trainer's callbacks of its class or a parent class (said at INFO level, through
+    Lightning's logger), and checkpoint callbacks move to the end."""
+    if not module_overrides(module, "configure_callbacks"):
+        return
+    state = module.__dict__
+    previous = state.get("_current_fx_name")
+    state["_current_fx_name"] = "configure_callbacks"
+    try:
+        returned = module.configure_callbacks()
+    finally:
+        state["_current_fx_name"] = previous
+    if not returned:
+        return
+    returned = list(returned) if isinstance(returned, Sequence) else [returned]
+    check_supported_callbacks(returned)
+    # a trainer callback is replaced when a returned one is of its class or a subclass; a plain
+    # Callback() instance is never matched, since every callback is a subclass of Callback
+    trainer_types = {type(cb) for cb in trainer.callbacks} - {Callback}
+    replaced = {
+        next(t for t in trainer_types if issubclass(kind, t))
+        for kind in {type(cb) for cb in returned}
+        if any(issubclass(kind, t) for t in trainer_types)
+    }
+    if replaced:
+        rank_zero_info(
+            "The following callbacks returned in `LightningModule.configure_callbacks` will override existing "
+            f"callbacks passed to Trainer: {', '.join(sorted(t.__name__ for t in replaced))}"
+        )
+    kept = [cb for cb in trainer.callbacks if type(cb) not in replaced]
+    trainer.callbacks = order_callbacks(kept + returned)
 
 
 class HookCaller:

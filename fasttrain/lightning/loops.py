@@ -43,15 +43,20 @@ class FitLoopState:
 
 # ---------------------------------------------------------------------------------- batches
 def transfer(lt, batch, dataloader_idx: int = 0):
-    """Lightning's batch hooks around the move to the device (skipped when not overridden)."""
-    hooks = lt._hooks
-    module = lt.lightning_module
-    if lt._batch_hooks["on_before_batch_transfer"]:
-        batch = hooks.module_hook("on_before_batch_transfer", batch, dataloader_idx)
-    if lt._batch_hooks["transfer_batch_to_device"] or lt._device.type != "cpu":
-        batch = hooks.module_hook("transfer_batch_to_device", batch, module.device, dataloader_idx)
-    if lt._batch_hooks["on_after_batch_transfer"]:
-        batch = hooks.module_hook("on_after_batch_transfer", batch, dataloader_idx)
+    """Lightning's batch hooks around the move to the device: the DataModule's or the module's
+    override, as chosen at the run's start (skipped when neither overrides the hook)."""
+    selected = lt._batch_hooks
+    hook = selected["on_before_batch_transfer"]
+    if hook is not None:
+        batch = hook(batch, dataloader_idx)
+    hook = selected["transfer_batch_to_device"]
+    if hook is not None:
+        batch = hook(batch, lt.lightning_module.device, dataloader_idx)
+    elif lt._device.type != "cpu":
+        batch = lt._hooks.module_hook("transfer_batch_to_device", batch, lt.lightning_module.device, dataloader_idx)
+    hook = selected["on_after_batch_transfer"]
+    if hook is not None:
+        batch = hook(batch, dataloader_idx)
     return batch
 
 
@@ -90,7 +95,7 @@ def run_fit(lt, runner) -> None:
     max_steps = lt.max_steps
     module = lt.lightning_module
     # decided once per fit: what a batch needs beyond the engine's step
-    moves_batches = any(lt._batch_hooks.values()) or lt._device.type != "cpu"
+    moves_batches = any(h is not None for h in lt._batch_hooks.values()) or lt._device.type != "cpu"
     batch_start_hooked = hooks.overridden("on_train_batch_start")
     batch_end_hooked = hooks.overridden("on_train_batch_end")
     schedulers = bool(lt.lr_scheduler_configs)

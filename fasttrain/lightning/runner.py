@@ -103,6 +103,8 @@ class ModuleRunner(FasttrainTrainer):
             collate_fn=None,
             resume_from=None,
         )
+        # the accelerator (and with it the loss scaler) is new from here on
+        self.lt._load_scaler_state()
         self._decide_step_calls()
         try:
             with signals.handle_interrupts(self):

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import limited_batches, parse_arguments
-from fasttrain.lightning.hooks import HookCaller, module_overrides
+from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, module_overrides, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
 from fasttrain.lightning.progress import EpochProgress
@@ -83,6 +83,9 @@ class Trainer:
         self.lr_scheduler_configs: list = []
         self.ckpt_path = None
         self._resumed = False
+        #: the loss scaler's state from the checkpoint a fit resumes from, loaded once the fit's
+        #: accelerator (and its scaler) exists
+        self._scaler_state = None
         self._device = torch.device("cpu")
         self._train_loader = None
         self._val_loaders: list = []
@@ -96,16 +99,14 @@ class Trainer:
     @staticmethod
     def _build_callbacks(args) -> list:
         callbacks = list(args.callbacks or [])
+        check_supported_callbacks(callbacks)
         if args.enable_checkpointing and not any(isinstance(cb, Checkpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint())
         elif not args.enable_checkpointing and any(isinstance(cb, Checkpoint) for cb in callbacks):
             raise ValueError(
                 "enable_checkpointing=False but a checkpoint callback was passed; remove one of the two"
             )
-        # Lightning runs checkpoint callbacks last, so they see what the others did
-        return [cb for cb in callbacks if not isinstance(cb, Checkpoint)] + [
-            cb for cb in callbacks if isinstance(cb, Checkpoint)
-        ]
+        return order_callbacks(callbacks)
 
     # ------------------------------------------------------------------ what modules and callbacks read
     @property
@@ -258,25 +259,32 @@ class Trainer:
             print(*args, **kwargs)
 
     # ------------------------------------------------------------------ entry points
-    def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None) -> None:
+    def fit(self, model, train_dataloaders=None, val_dataloaders=None, datamodule=None, ckpt_path=None,
+            weights_only: Optional[bool] = None) -> None:
+        """``weights_only`` is ``torch.load``'s for ``ckpt_path``, as in Lightning: None or True load
+        only tensors and plain values (a file with other pickled objects is refused); pass False
+        only for a file you trust."""
         from fasttrain.lightning.fit import fit
 
-        fit(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path)
+        fit(self, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
 
-    def validate(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None) -> list:
+    def validate(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None,
+                 weights_only: Optional[bool] = None) -> list:
         from fasttrain.lightning.fit import evaluate
 
-        return evaluate(self, "validate", model, dataloaders, ckpt_path, datamodule)
+        return evaluate(self, "validate", model, dataloaders, ckpt_path, datamodule, weights_only)
 
-    def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None) -> list:
+    def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None,
+             weights_only: Optional[bool] = None) -> list:
         from fasttrain.lightning.fit import evaluate
 
-        return evaluate(self, "test", model, dataloaders, ckpt_path, datamodule)
+        return evaluate(self, "test", model, dataloaders, ckpt_path, datamodule, weights_only)
 
-    def predict(self, model=None, dataloaders=None, datamodule=None, return_predictions=None, ckpt_path=None):
+    def predict(self, model=None, dataloaders=None, datamodule=None, return_predictions=None, ckpt_path=None,
+                weights_only: Optional[bool] = None):
         from fasttrain.lightning.fit import predict
 
-        return predict(self, model, dataloaders, datamodule, ckpt_path, return_predictions)
+        return predict(self, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only)
 
     def save_checkpoint(self, filepath, weights_only: bool = False, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -290,6 +298,14 @@ class Trainer:
     def _scaler(self):
         runner = self._runner
         return runner._accelerator.scaler if runner is not None else None
+
+    def _load_scaler_state(self) -> None:
+        """The resumed checkpoint's loss-scaler state into this fit's scaler (a run without one,
+        bf16 or full precision, ignores it, as Lightning's precision plugins do)."""
+        state, self._scaler_state = self._scaler_state, None
+        scaler = self._scaler()
+        if state and scaler is not None:
+            scaler.load_state_dict(state)
 
     def _num_sanity_batches(self, loader=None) -> int:
         if not self.enable_validation or self.num_sanity_val_steps == 0:
