@@ -25,6 +25,9 @@ def train_epoch(trainer, train_dl) -> bool:
     max_updates = trainer.run_config.max_num_train_steps
     num_batches = len(train_dl)
     batches, first_step = checkpointing.epoch_batches(trainer, train_dl, buffer)
+    # Resolved once per epoch, so a step pays no lookup. These are the handler's live lists:
+    # adding, removing or reassigning callbacks (handler.callbacks.remove(cb), ...) updates them
+    # in place, so a change made mid-epoch applies from the next event, not the next epoch.
     step_start = handler.handlers("on_train_step_start")
     step_end = handler.handlers("on_train_step_end")
     engine = trainer._engine
@@ -69,7 +72,7 @@ def eval_epoch(trainer, valid_dl, is_training: bool = True, is_intermediate: boo
         # a callback replaced the loader for this epoch (LimitEvalStepsCallback)
         valid_dl = trainer._eval_dataloader
     buffer = StepMetricsBuffer("eval", trainer.run_history.current_epoch)
-    step_start = handler.handlers("on_eval_step_start")
+    step_start = handler.handlers("on_eval_step_start")  # live lists, as in train_epoch
     step_end = handler.handlers("on_eval_step_end")
     engine = trainer._engine
     # an intermediate evaluation belongs to a training step, which finishes it

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from fasttrain.callbacks import TrainerCallback
+from fasttrain.hardware import GpuSampler, peak_flops, precision_key
 from fasttrain.metrics import FlushedMetrics
 
 __all__ = ["ThroughputMonitorCallback", "throughput"]
@@ -98,16 +99,12 @@ class ThroughputMonitorCallback(TrainerCallback):
             return self.peak_flops
         if self.flops_per_sample is None and self.flops_per_token is None:
             return None
-        from fasttrain.bench.hardware import peak_flops, precision_key
-
         config = getattr(trainer, "run_config", None)
         return peak_flops(trainer.device, precision_key(getattr(config, "mixed_precision", None)))
 
     def on_training_run_start(self, trainer, **kwargs):
         self._peak = self._resolve_peak(trainer)
         if self.gpu_metrics and self._sampler is None:
-            from fasttrain.bench.gpu_metrics import GpuSampler
-
             sampler = GpuSampler(trainer.device)
             if sampler.available:
                 self._sampler = sampler.start()

@@ -1,6 +1,7 @@
 """Behaviour that scripts written for pytorch-accelerated 0.1.61 rely on: loader devices, step-based
 saves, uneven-evaluation warnings, per-step NaN checks, error types, private helpers and resume."""
 
+import io
 import warnings
 from collections import defaultdict
 
@@ -12,15 +13,24 @@ from torch.utils.data import TensorDataset
 from fasttrain import Trainer, prepare
 from fasttrain.callbacks import (
     LimitEvalStepsCallback,
+    LogMetricsCallback,
+    MoveModulesToDeviceCallback,
+    ProgressBarCallback,
     SaveTrainingStateCallback,
     StopTrainingError,
     TerminateOnNaNCallback,
     TrainerCallback,
+    WSDCheckpointCallback,
 )
 from fasttrain.data import DeviceLoader, with_device_attribute
 from fasttrain.finetuning import ModelFreezer, _module_is_batch_norm
 from fasttrain.run_config import uneven_eval_batches_message
-from fasttrain.schedulers import CosineLrScheduler, SchedulerConfigError, WSDLrScheduler
+from fasttrain.schedulers import (
+    CosineLrScheduler,
+    SchedulerConfigError,
+    StatefulSchedulerBase,
+    WSDLrScheduler,
+)
 from fasttrain.tracking import InMemoryRunHistory
 
 NO_WORKERS = {"num_workers": 0}
@@ -267,6 +277,101 @@ def test_overriding_perform_forward_and_backward_passes_warns():
                 pass
 
     assert issubclass(Custom, Trainer)
+
+
+# ----------------------------------------------------------------------------- extension points
+def test_a_metrics_logger_may_override_how_the_latest_metrics_are_read():
+    logged = []
+
+    class Rounded(LogMetricsCallback):
+        def _get_latest_metrics(self, trainer, metric_names):
+            latest = super()._get_latest_metrics(trainer, metric_names=metric_names)
+            return {name: round(value, 1) for name, value in latest.items()}
+
+        def log_metrics(self, trainer, metrics):
+            logged.append(metrics)
+
+    _train(_trainer([Rounded]), num_epochs=2)
+    assert [list(m) for m in logged] == [["train_loss_epoch"], ["train_loss_epoch"]]
+    assert all(v == round(v, 1) for m in logged for v in m.values())
+
+
+def test_the_modules_moved_to_the_device_may_be_chosen_by_a_subclass():
+    asked = []
+
+    class OnlyLoss(MoveModulesToDeviceCallback):
+        def _get_modules(self, trainer):
+            asked.append(dict(super()._get_modules(trainer=trainer)))
+            return [("loss_func", trainer.loss_func)]
+
+    trainer = _trainer([OnlyLoss])
+    _train(trainer)
+    assert set(asked[0]) >= {"model", "loss_func"}
+
+
+def test_wsd_checkpoint_paths_may_be_chosen_by_a_subclass(tmp_path):
+    class Flat(WSDCheckpointCallback):
+        def _get_export_checkpoint_path(self, step, checkpoint_type):
+            return self.save_dir / f"{checkpoint_type}-{step}.pt"
+
+    saved = []
+
+    class Recorder:
+        run_config = None
+
+        def save_checkpoint(self, path, **kwargs):
+            saved.append(path)
+
+        def print(self, *args):
+            pass
+
+    callback = Flat(save_dir=tmp_path)
+    assert WSDCheckpointCallback(save_dir=tmp_path)._get_training_state_path(5, "wsd_pre_decay") == (
+        tmp_path / "checkpoint_5_wsd_pre_decay"
+    )
+    Recorder.run_config = type("Config", (), {"max_num_train_steps": 10})()
+    callback._save_post_decay(Recorder(), 10)
+    assert saved == [tmp_path / "wsd_post_decay-10.pt"]
+
+
+def test_the_progress_bar_advances_when_called_without_a_step():
+    bar = ProgressBarCallback(file=io.StringIO())
+
+    class Config:
+        max_num_train_steps = None
+
+    class Host:
+        class _accelerator:
+            is_local_main_process = True
+
+        _train_dataloader = [0, 1, 2]
+        run_config = Config()
+
+    bar.on_train_epoch_start(Host())
+    bar.on_train_step_end(Host())
+    bar.on_train_step_end(Host(), batch=None, batch_output=None)
+    assert bar.pbar.n == 2
+    bar.on_train_step_end(Host(), step=2)
+    assert bar.pbar.n == 3
+    bar.pbar.close()
+
+
+def test_a_stateful_scheduler_takes_its_state_by_the_original_keyword():
+    class Constant(StatefulSchedulerBase):
+        def get_updated_values(self, num_updates):
+            return 0.1
+
+        def state_dict(self):
+            return {"_num_updates": self._num_updates}
+
+        def load_state_dict(self, scheduler_state_dict):
+            self._num_updates = scheduler_state_dict["_num_updates"]
+
+    scheduler = Constant(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.01))
+    scheduler.load_state_dict(scheduler_state_dict={"_num_updates": 7})
+    assert scheduler._num_updates == 7
+    with pytest.raises(NotImplementedError):  # the abstract method binds the keyword too
+        StatefulSchedulerBase.load_state_dict(scheduler, scheduler_state_dict={})
 
 
 # ----------------------------------------------------------------------------- resume metadata

@@ -1,5 +1,5 @@
-"""The dependencies point one way: trainer -> engine -> kernels. Engines know the trainer only
-through the StepContext it builds (fasttrain/engine/context.py)."""
+"""The dependencies point one way: cli/bench -> trainer -> engine -> kernels. Engines know the
+trainer only through the StepContext it builds (fasttrain/engine/context.py)."""
 
 import ast
 from pathlib import Path
@@ -89,3 +89,31 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     assert "fasttrain.trainer" in found and "fasttrain.callbacks" in found
     assert _is_under("fasttrain.callbacks", ABOVE_ENGINE)
     assert not _is_under("fasttrain.callbacksx", ABOVE_ENGINE)
+
+
+# The bench sits on top (cli/bench -> trainer): only it and the command line import it.
+BENCH_USERS = ("bench", "cli.py", "__main__.py")
+
+
+def test_nothing_below_the_bench_imports_it():
+    offending = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in BENCH_USERS:
+            continue
+        offending += [(str(relative), m) for m in imported_modules(path) if _is_under(m, ("fasttrain.bench",))]
+    assert offending == []
+
+
+def test_the_hardware_module_imports_nothing_from_fasttrain():
+    # the monitor (trainer level) and the bench both use it, so it must sit below both
+    imported = list(imported_modules(PACKAGE / "hardware.py"))
+    assert imported and [m for m in imported if _is_under(m, ("fasttrain",))] == []
+
+
+def test_the_bench_checker_sees_an_import_of_the_bench(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from fasttrain import bench\n    import fasttrain.bench.hardware\n")
+    found = list(imported_modules(bad))
+    assert "fasttrain.bench" in found and "fasttrain.bench.hardware" in found
+    assert all(_is_under(m, ("fasttrain.bench",)) for m in ("fasttrain.bench", "fasttrain.bench.hardware"))

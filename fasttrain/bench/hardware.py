@@ -1,4 +1,5 @@
-"""What machine a benchmark ran on, and the peak FLOP rate MFU is measured against."""
+"""What machine a benchmark ran on. The peak FLOP rate MFU is measured against lives in
+:mod:`fasttrain.hardware`, which the trainer's monitor uses too; it is re-exported here."""
 
 from __future__ import annotations
 
@@ -9,42 +10,9 @@ from typing import Dict, Optional
 
 import torch
 
-# Dense (no structured sparsity) peak tensor-core rates from NVIDIA's data sheets, in FLOP/s.
-# "fp32" is the plain FP32 rate: PyTorch does not use TF32 for matmuls unless asked to.
-# Order matters: the first key contained in the device name wins ("A100" before "A10").
-_PEAK_FLOPS = (
-    ("H100 PCIe", {"bf16": 756e12, "fp32": 51e12}),
-    ("H100 NVL", {"bf16": 835e12, "fp32": 60e12}),
-    ("H100", {"bf16": 989e12, "fp32": 67e12}),
-    ("H200 NVL", {"bf16": 835e12, "fp32": 60e12}),
-    ("H200", {"bf16": 989e12, "fp32": 67e12}),
-    ("A100", {"bf16": 312e12, "fp32": 19.5e12}),
-    ("L40S", {"bf16": 362e12, "fp32": 91.6e12}),
-    ("L4", {"bf16": 121e12, "fp32": 30.3e12}),
-    ("A10G", None),  # clocks differ from the A10's data sheet; no trustworthy number
-    ("A10", {"bf16": 125e12, "fp32": 31.2e12}),
-)
+from fasttrain.hardware import peak_flops, precision_key
 
-
-def peak_flops(device: torch.device | str, precision: str = "bf16") -> Optional[float]:
-    """The device's peak FLOP/s for ``precision`` (``"bf16"`` or ``"fp32"``), None when unknown.
-
-    CPUs return None: their peak depends on the core count, clock and vector width actually
-    available to this process, which a table cannot know.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, table in _PEAK_FLOPS:
-        if key in name:
-            return None if table is None else table.get(precision)
-    return None
-
-
-def precision_key(mixed_precision: Optional[str]) -> str:
-    """Map a trainer's ``mixed_precision`` setting to a row of the peak table."""
-    return "bf16" if mixed_precision in ("bf16", "fp16") else "fp32"
+__all__ = ["describe_environment", "peak_flops", "precision_key"]
 
 
 def _driver_version() -> Optional[str]:

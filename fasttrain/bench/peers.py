@@ -308,6 +308,14 @@ def _fasttrain_peer(engine: str):
     return type(f"Fasttrain{engine.title()}Peer", (FasttrainPeer,), {"name": f"fasttrain-{engine}", "engine": engine})
 
 
+#: Lightning versions each Lightning peer runs with. The plain peer uses Lightning 2's public
+#: Trainer arguments; ``fasttrain.lightning`` uses Lightning internals, so it is held to the range
+#: pyproject.toml's ``lightning`` and ``peers`` extras install (tests/test_bench_peers.py keeps
+#: the two in step).
+LIGHTNING_REQUIRES = ">=2.0"
+FASTTRAIN_LIGHTNING_REQUIRES = ">=2.6,<2.7"
+
+
 def _import_lightning():
     try:
         import lightning as L
@@ -316,7 +324,33 @@ def _import_lightning():
             import pytorch_lightning as L
         except ImportError as exc:
             raise PeerUnavailable("Lightning is not installed (pip install fasttrain[peers])") from exc
+        except Exception as exc:  # installed but broken: report it, the other peers still run
+            raise PeerUnavailable(f"pytorch_lightning fails to import: {_one_line(exc)}") from exc
+    except Exception as exc:  # e.g. built against another torch: report it, the other peers still run
+        raise PeerUnavailable(f"lightning fails to import: {_one_line(exc)}") from exc
     return L
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _check_lightning_version(L, requires: str, peer: str) -> None:
+    """Raise :class:`PeerUnavailable` unless the imported Lightning's version is in ``requires``."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = getattr(L, "__version__", None)
+    try:
+        supported = version is not None and Version(version) in SpecifierSet(requires)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise PeerUnavailable(
+            f"{peer} runs with {L.__name__}{requires}, found {version}; "
+            f"pip install 'lightning{requires}' (the fasttrain[peers] extra pins it)"
+        )
 
 
 class LightningPeer(Peer):
@@ -328,6 +362,7 @@ class LightningPeer(Peer):
 
     def setup(self) -> None:
         L = _import_lightning()
+        _check_lightning_version(L, LIGHTNING_REQUIRES, self.name)
         wl = self.workload
         model = wl.make_model()
         optimizer = wl.make_optimizer(model)
@@ -384,11 +419,17 @@ class FasttrainLightningPeer(LightningPeer):
         super().setup()
         if self._L.__name__ != "lightning":
             raise PeerUnavailable("fasttrain.lightning needs the lightning package (pip install fasttrain[lightning])")
+        _check_lightning_version(self._L, FASTTRAIN_LIGHTNING_REQUIRES, self.name)
+        try:
+            from fasttrain.lightning import Trainer
+        except Exception as exc:  # at set-up, so it is reported as unavailable, not as a failed run
+            raise PeerUnavailable(
+                f"fasttrain.lightning fails to import with lightning {self._L.__version__}: {_one_line(exc)}"
+            ) from exc
+        self._fasttrain_trainer = Trainer
 
     def _trainer_class(self):
-        from fasttrain.lightning import Trainer
-
-        return Trainer
+        return self._fasttrain_trainer
 
 
 PEERS: Dict[str, Callable[[Workload], Peer]] = {

@@ -37,9 +37,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from fasttrain.bench.counters import RecompileCounter, SyncCounter
-from fasttrain.bench.gpu_metrics import GpuSampler
 from fasttrain.bench.peers import PeerUnavailable, device_sync, make_peer
 from fasttrain.bench.workloads import Workload
+from fasttrain.hardware import GpuSampler
 
 try:
     import resource

@@ -4,8 +4,9 @@ Events fire in the order documented in ``docs/migrating.md``; each callback even
 trainer hook of the same moment, and callbacks run in list order.
 
 Per-step events (``on_train_step_start``, ``on_train_step_end``, ``on_eval_step_start``,
-``on_eval_step_end``) are dispatched only to callbacks that override them, from a table built
-when a callback is added, so a callback that does nothing per step costs nothing per step.
+``on_eval_step_end``) are dispatched only to callbacks that override them, from a table rebuilt
+whenever the callbacks change (``add_callback``, or any change to ``CallbackHandler.callbacks``),
+so a callback that does nothing per step costs nothing per step.
 
 None of the built-in callbacks reads a device value per step. Step losses, gradient norms and the
 non-finite flag reach them as host values through the batched ``on_metrics_flush`` event
@@ -75,4 +76,5 @@ __all__ = [
     "LossTracker",
     "DataLoaderSlice",
     "ModelEma",
+    "tqdm",
 ]

@@ -264,13 +264,21 @@ class WSDCheckpointCallback(TrainerCallback):
             "timestamp": datetime.now().isoformat(),
         }
 
+    def _get_export_checkpoint_path(self, step: int, checkpoint_type: str) -> Path:
+        """Where the model checkpoint (a ``.pt`` file) of ``checkpoint_type`` at ``step`` goes."""
+        return self.save_dir / f"checkpoint_{step}_{checkpoint_type}.pt"
+
+    def _get_training_state_path(self, step: int, checkpoint_type: str) -> Path:
+        """Where the training state (a directory) of ``checkpoint_type`` at ``step`` goes."""
+        return self.save_dir / f"checkpoint_{step}_{checkpoint_type}"
+
     def _save_pre_decay(self, trainer, step: int):
-        path = self.save_dir / f"checkpoint_{step}_wsd_pre_decay"
+        path = self._get_training_state_path(step, "wsd_pre_decay")
         trainer.save_training_state(str(path), checkpoint_kwargs=self._metadata(trainer, step, "wsd_pre_decay"))
         trainer.print(f"\nSaved wsd_pre_decay training state at step {step}")
 
     def _save_post_decay(self, trainer, step: int):
-        path = self.save_dir / f"checkpoint_{step}_wsd_post_decay.pt"
+        path = self._get_export_checkpoint_path(step, "wsd_post_decay")
         trainer.save_checkpoint(
             path,
             save_optimizer=self.save_optimizer,

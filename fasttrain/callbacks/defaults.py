@@ -15,10 +15,15 @@ class MoveModulesToDeviceCallback(TrainerCallback):
     """Moves every ``nn.Module`` attribute of the trainer other than the model (for example a
     loss function with weights) to the trainer's device."""
 
+    def _get_modules(self, trainer):
+        """``(name, module)`` for every ``nn.Module`` attribute of the trainer; a subclass may
+        override it to choose the modules moved."""
+        return [(name, value) for name, value in vars(trainer).items() if isinstance(value, nn.Module)]
+
     def _move_modules_to_device(self, trainer):
-        for name, value in list(vars(trainer).items()):
-            if name != "model" and isinstance(value, nn.Module):
-                value.to(trainer.device)
+        for name, module in self._get_modules(trainer):
+            if name != "model":  # the trainer places the model itself
+                module.to(trainer.device)
 
     def on_training_run_start(self, trainer, **kwargs):
         self._move_modules_to_device(trainer)
@@ -91,7 +96,10 @@ class ProgressBarCallback(TrainerCallback):
     run started mid-epoch), the epoch's mean loss and its samples per second over the epoch.
     """
 
-    def __init__(self, file=None):
+    def __init__(self, *, file=None):
+        """
+        :param file: the stream the bars are written to (``sys.stderr`` when None)
+        """
         self.pbar = None
         self.eval_pbar = None
         self._file = file
@@ -115,9 +123,12 @@ class ProgressBarCallback(TrainerCallback):
             left = (config.max_num_train_steps - trainer.progress.num_updates) * config.gradient_accumulation_steps
             self.pbar.total = max(0, min(self.pbar.total, left))
 
-    def on_train_step_end(self, trainer, step, **kwargs):
-        # the step index, not a count of calls: a run resumed mid-epoch starts past 0
+    def on_train_step_end(self, trainer, *, step=None, **kwargs):
         bar = self.pbar
+        # The step index, not a count of calls: a run resumed mid-epoch starts past 0. The
+        # trainer always passes it; a call without it advances the bar by one.
+        if step is None:
+            step = bar.n
         if step >= bar.n:
             if step >= bar.total:  # resumed mid-epoch: the steps before count too
                 bar.total = min(step + 1 + bar.total, len(trainer._train_dataloader))
@@ -176,10 +187,11 @@ class LogMetricsCallback(TrainerCallback):
         self._log_latest_metrics(trainer, names)
 
     def _log_latest_metrics(self, trainer, metric_names):
-        metrics = {
-            name: trainer.run_history.get_latest_metric(name) for name in sorted(metric_names)
-        }
-        self.log_metrics(trainer, metrics)
+        self.log_metrics(trainer, self._get_latest_metrics(trainer, sorted(metric_names)))
+
+    def _get_latest_metrics(self, trainer, metric_names):
+        """``{name: latest value}`` from the run history for ``metric_names``, in their order."""
+        return {name: trainer.run_history.get_latest_metric(name) for name in metric_names}
 
     def log_metrics(self, trainer, metrics: dict):
         for name, value in metrics.items():

@@ -6,7 +6,16 @@ import difflib
 import warnings
 from typing import Dict, List
 
-from fasttrain.errors import StopTrainingError  # noqa: F401  (part of the callback API)
+from fasttrain.errors import StopTrainingError  # part of the callback API
+
+__all__ = [
+    "EVENTS",
+    "PER_STEP_EVENTS",
+    "CallbackHandler",
+    "CallbackMethodNotImplementedError",
+    "StopTrainingError",
+    "TrainerCallback",
+]
 
 
 class CallbackMethodNotImplementedError(Exception):
@@ -129,19 +138,87 @@ def _warn_misspelled_events(callback) -> None:
             )
 
 
+# list methods that change the list in place; each is wrapped to rebuild the dispatch table
+_LIST_MUTATORS = (
+    "append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
+    "__setitem__", "__delitem__", "__iadd__", "__imul__",
+)
+
+
+class _CallbackList(list):
+    """The list behind :attr:`CallbackHandler.callbacks`: a plain list whose in-place changes
+    (``append``, ``remove``, slice assignment, ...) rebuild the handler's dispatch table."""
+
+    __slots__ = ("_handler",)
+
+    def __init__(self, callbacks, handler):
+        super().__init__(callbacks)
+        self._handler = handler
+
+    def __reduce_ex__(self, protocol):
+        # copies and pickles are plain lists; CallbackHandler.__setstate__ wraps them again
+        return list, (list(self),)
+
+
+def _rebuilding(name):
+    change = getattr(list, name)
+
+    def method(self, *args, **kwargs):
+        result = change(self, *args, **kwargs)
+        self._handler._rebuild()
+        return result
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = change.__doc__
+    return method
+
+
+for _name in _LIST_MUTATORS:
+    setattr(_CallbackList, _name, _rebuilding(_name))
+
+
 class CallbackHandler:
     """Holds the callbacks of a trainer and fires events on them.
 
     The handler keeps, for every event, the list of bound methods of the callbacks that implement
-    it. The lists are updated in place when callbacks are added, so the trainer may hold on to
-    them across steps.
+    it. Those lists are updated in place whenever the callbacks change: through
+    :meth:`add_callback` and :meth:`clear_callbacks`, through the list methods of
+    :attr:`callbacks` (``append``, ``insert``, ``remove``, ``pop``, ``del``, slice assignment,
+    ...) and by assigning a new list to :attr:`callbacks`. So the trainer may hold on to them
+    across steps, and a change takes effect at the next event, also in the middle of an epoch.
+
+    A change made by a callback while an event is being delivered (an assignment as well as an
+    in-place change) also applies to the rest of that delivery, as for a Python list changed
+    while it is iterated: a callback removed after the running one gets no more calls, one
+    appended is called too. Removing the running callback or one before it shifts the list by
+    one, so the callback after it misses that one event; remove callbacks from an earlier or
+    later event to avoid that. Nothing of this costs anything per step: the work is done when
+    the callbacks change.
     """
 
     def __init__(self, callbacks=()):
-        self.callbacks: List = []
         self._dispatch: Dict[str, List] = {}
+        self._callbacks = _CallbackList((), self)
         self._enabled = True
         self.add_callbacks(callbacks)
+
+    @property
+    def callbacks(self) -> List:
+        """The callback instances, in the order they are called. Changing this list, or assigning
+        a new one (whose items are copied into the handler's list), changes which callbacks
+        receive events from the next event on."""
+        return self._callbacks
+
+    @callbacks.setter
+    def callbacks(self, callbacks):
+        if callbacks is not self._callbacks:  # ``handler.callbacks += [...]`` already rebuilt
+            self._callbacks = _CallbackList(callbacks, self)
+            self._rebuild()
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._callbacks = _CallbackList(self._callbacks, self)
+        self._rebuild()
 
     def add_callbacks(self, callbacks):
         for callback in callbacks:
@@ -156,12 +233,10 @@ class CallbackHandler:
                 f"each callback class. Callbacks already present: {self.callback_list}"
             )
         _warn_misspelled_events(instance)
-        self.callbacks.append(instance)
-        self._rebuild()
+        self.callbacks.append(instance)  # rebuilds the dispatch table
 
     def clear_callbacks(self):
-        self.callbacks = []
-        self._rebuild()
+        self.callbacks = []  # a new list, so one a caller kept keeps its items
 
     def __iter__(self):
         return iter(self.callbacks)

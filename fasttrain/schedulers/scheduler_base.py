@@ -136,5 +136,6 @@ class StatefulSchedulerBase(SchedulerBase, ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, scheduler_state_dict: dict) -> None:
+        # the parameter's name is part of the API: callers may pass it by keyword
         raise NotImplementedError
