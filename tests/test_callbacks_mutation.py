@@ -164,28 +164,24 @@ def _scenarios(base):
     def named(cls, name, log):
         return type(f"{cls.__name__}_{name}", (cls,), {})(name, log)
 
-    def remove_later_at_step_end():
-        log = []
-        victim = named(Logged, "victim", log)
-
+    def step_end_remover(victim):
         class Remover(base):
             def on_train_step_end(self, trainer, step=None, **kwargs):
                 if trainer.run_history.current_epoch == 1 and step == 1:
                     trainer.callback_handler.callbacks.remove(victim)
 
-        return [Remover(), victim, named(EpochOnly, "watcher", log)], log
+        return Remover()
+
+    def remove_later_at_step_end():
+        log = []
+        victim = named(Logged, "victim", log)
+        return [step_end_remover(victim), victim, named(EpochOnly, "watcher", log)], log
 
     def remove_earlier_at_step_end():
         log = []
         victim = named(Logged, "victim", log)
-
-        class Remover(base):
-            def on_train_step_end(self, trainer, step=None, **kwargs):
-                if trainer.run_history.current_epoch == 1 and step == 1:
-                    trainer.callback_handler.callbacks.remove(victim)
-
         # the victim runs before the remover: it has already had this step's event
-        return [victim, Remover(), named(Logged, "after", log)], log
+        return [victim, step_end_remover(victim), named(Logged, "after", log)], log
 
     def remove_at_epoch_end():
         log = []
