@@ -138,9 +138,8 @@ def dump_checkpoint(lt, weights_only: bool = False) -> dict:
     if not weights_only:
         for callback in lt.callbacks:
             callback.on_save_checkpoint(lt, module, checkpoint)
+    # a DataModule contributes its state_dict() only: Lightning 2.x calls no DataModule hook here
     lt._hooks.module_hook("on_save_checkpoint", checkpoint)
-    if dm is not None:
-        dm.on_save_checkpoint(checkpoint)
     return checkpoint
 
 
@@ -182,19 +181,43 @@ def load(path: str, weights_only: Optional[bool] = None) -> dict:
         ) from error
 
 
-def restore(lt, path: str, model_only: bool = False, weights_only: Optional[bool] = None) -> dict:
-    """Load a Lightning-format checkpoint into the module (and, unless ``model_only``, for fit,
-    the optimizers, schedulers, callbacks, loop counters and the loss scaler's state, which is
-    loaded once the fit's scaler exists). ``weights_only`` as for :func:`load`."""
+def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
+    """Load a Lightning-format checkpoint and restore the module from it: its
+    ``on_load_checkpoint`` hook, then its weights. Returns the checkpoint. ``weights_only`` as
+    for :func:`load`."""
     checkpoint = load(path, weights_only)
-    module = lt.lightning_module
     for key in ("pytorch-lightning_version", "state_dict"):
         if key not in checkpoint:
             raise KeyError(f"{path} is not a Lightning checkpoint: it lacks {key!r}")
     lt._hooks.module_hook("on_load_checkpoint", checkpoint)
-    module.load_state_dict(checkpoint["state_dict"])
-    if model_only:
-        return checkpoint
+    lt.lightning_module.load_state_dict(checkpoint["state_dict"])
+    return checkpoint
+
+
+def restore_datamodule_and_callbacks(lt, checkpoint: dict) -> None:
+    """The rest of what a fit restores before ``configure_optimizers``, in Lightning's order: the
+    DataModule's state, then every callback's ``on_load_checkpoint``, then every callback's
+    state. A checkpoint without a ``callbacks`` entry (saved with weights only) calls no
+    callback."""
+    dm = lt.datamodule
+    if dm is not None and type(dm).__qualname__ in checkpoint:
+        dm.load_state_dict(checkpoint[type(dm).__qualname__])
+    states = checkpoint.get("callbacks")
+    if states is None:
+        return
+    module = lt.lightning_module
+    for callback in lt.callbacks:
+        callback.on_load_checkpoint(lt, module, checkpoint)
+    for callback in lt.callbacks:
+        state = states.get(callback.state_key)
+        if state:
+            callback.load_state_dict(state)
+
+
+def restore_training_state(lt, path: str, checkpoint: dict) -> None:
+    """The training state of a fit resumed from ``checkpoint`` (read from ``path``), restored
+    after ``on_fit_start`` as Lightning does: the loss scaler's state (loaded once the fit's
+    scaler exists), the loop counters, the optimizers and the schedulers."""
     for key in ("optimizer_states", "lr_schedulers"):
         if key not in checkpoint:
             raise KeyError(f"{path} holds weights only (no {key!r}); fit(ckpt_path=...) needs a full checkpoint")
@@ -202,23 +225,13 @@ def restore(lt, path: str, model_only: bool = False, weights_only: Optional[bool
         raise ValueError(
             f"{path} has {len(checkpoint['optimizer_states'])} optimizer states, configure_optimizers made {len(lt.optimizers)}"
         )
+    # Lightning's key for the fp16 scaler (its MixedPrecision plugin), and the one of older versions
+    lt._scaler_state = checkpoint.get(_SCALER_KEY, checkpoint.get("native_amp_scaling_state"))
+    _restore_counters(lt, checkpoint)
     for optimizer, state in zip(lt.optimizers, checkpoint["optimizer_states"]):
         optimizer.load_state_dict(state)
     for config, state in zip(lt.lr_scheduler_configs, checkpoint["lr_schedulers"]):
         config.scheduler.load_state_dict(state)
-    states = checkpoint.get("callbacks", {})
-    for callback in lt.callbacks:
-        state = states.get(callback.state_key)
-        if state:
-            callback.load_state_dict(state)
-        callback.on_load_checkpoint(lt, module, checkpoint)
-    dm = lt.datamodule
-    if dm is not None and type(dm).__qualname__ in checkpoint:
-        dm.load_state_dict(checkpoint[type(dm).__qualname__])
-    # Lightning's key for the fp16 scaler (its MixedPrecision plugin), and the one of older versions
-    lt._scaler_state = checkpoint.get(_SCALER_KEY, checkpoint.get("native_amp_scaling_state"))
-    _restore_counters(lt, checkpoint)
-    return checkpoint
 
 
 def _restore_counters(lt, checkpoint: dict) -> None:
@@ -231,6 +244,10 @@ def _restore_counters(lt, checkpoint: dict) -> None:
     epochs = fit["epoch_progress"]["current"]
     batches = fit["epoch_loop.batch_progress"]
     done_epochs = epochs["processed"]
+    # as Lightning: a fit that restarts inside an epoch (started, not processed) or one limited
+    # by max_steps counts as restarting, which skips the sanity check
+    started = (epochs["ready"], epochs.get("started", done_epochs))
+    lt._restarting = lt.max_steps != -1 or any(count != done_epochs for count in started)
     in_epoch = batches["current"]["processed"]
     mid_epoch = epochs["processed"] == epochs["completed"] and not batches["is_last_batch"] and in_epoch > 0
     current = state.epoch_progress.current

@@ -59,6 +59,7 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     lt.state.fn = fn
     lt.state.status = TrainerStatus.RUNNING
     lt.should_stop = False
+    lt._load_train_data = None
     # before the hooks are resolved, so the module's callbacks get every hook of this run
     merge_module_callbacks(lt, model)
     lt._hooks = HookCaller(lt, model, lt.callbacks)
@@ -161,7 +162,7 @@ def _restore_weights(lt, ckpt_path, weights_only) -> None:
     ``weights_only`` as for ``torch.load`` (None: safe loading)."""
     if ckpt_path is not None:
         lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore(lt, lt.ckpt_path, model_only=True, weights_only=weights_only)
+        ckpt_io.restore_module(lt, lt.ckpt_path, weights_only)
 
 
 def _loader(lt, given, hook: str):
@@ -231,7 +232,54 @@ def _runner(lt, optimizer, engine: str) -> ModuleRunner:
     return runner
 
 
+def _load_train_data(lt, given, processes: int) -> None:
+    """Request the fit's training dataloader (``given`` to fit, else the DataModule's or the
+    module's ``train_dataloader()``), once, and count its batches."""
+    lt._load_train_data = None
+    train_loader = _loader(lt, given, "train_dataloader")
+    if train_loader is None:
+        raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
+    if isinstance(train_loader, (list, tuple, dict)):
+        raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
+    _check_sized([train_loader], "training")
+    lt._train_loader = train_loader
+    # accelerate gives each process every world-th batch (padded to the same count), so the
+    # per-process count is known before the loaders are prepared
+    lt.num_training_batches = limited_batches(lt.limit_train_batches, math.ceil(len(train_loader) / processes))
+
+
+def _load_val_data(lt, given) -> None:
+    """Request the fit's validation dataloaders, only when validation can run
+    (``validation_step`` defined, ``limit_val_batches`` not 0), as Lightning requests them."""
+    module = lt.lightning_module
+    wanted = module_overrides(module, "validation_step") and lt.limit_val_batches != 0
+    lt._val_loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
+    _check_sized(lt._val_loaders, "validation")
+
+
+def _load_data(lt, val_dataloaders) -> None:
+    """The dataloaders in Lightning's order: when a sanity check will run, the validation loaders
+    first (it requests them), then the training loader (unless reading
+    ``estimated_stepping_batches`` in ``configure_optimizers`` loaded it already); otherwise
+    the training loader first."""
+    sanity = (
+        lt.num_sanity_val_steps != 0 and module_overrides(lt.lightning_module, "validation_step")
+        and lt.limit_val_batches != 0 and not lt._restarting
+    )
+    if sanity:
+        _load_val_data(lt, val_dataloaders)
+    if lt._load_train_data is not None:
+        lt._load_train_data()
+    if not sanity:
+        _load_val_data(lt, val_dataloaders)
+
+
 def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only=None) -> None:
+    """Lightning's fit, in its start-up order: prepare_data, setup, configure_model; from a
+    checkpoint, the module's ``on_load_checkpoint`` and weights, the DataModule's state and the
+    callbacks'; ``configure_optimizers``; ``on_fit_start``; hyperparameters to the loggers; from
+    the checkpoint, the loop counters, optimizer and scheduler states; the dataloaders (see
+    :func:`_load_data`); then the fit loop (sanity check, ``on_train_start``, the epochs)."""
     if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
         raise ValueError("pass either dataloaders or a datamodule to fit(), not both")
     if isinstance(train_dataloaders, LightningDataModule):
@@ -240,21 +288,17 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     module = lt.lightning_module
     lt.training = True
     _setup_hooks(lt, TrainerFn.FITTING)
-    train_loader = _loader(lt, train_dataloaders, "train_dataloader")
-    if train_loader is None:
-        raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
-    if isinstance(train_loader, (list, tuple, dict)):
-        raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
-    _check_sized([train_loader], "training")
-    lt._train_loader = train_loader
-    lt._val_loaders = _as_list(_loader(lt, val_dataloaders, "val_dataloader")) if module_overrides(
-        module, "validation_step") else []
-    _check_sized(lt._val_loaders, "validation")
+    checkpoint = None
+    if ckpt_path is not None:
+        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
+        checkpoint = ckpt_io.restore_module(lt, lt.ckpt_path, weights_only)
+        ckpt_io.restore_datamodule_and_callbacks(lt, checkpoint)
     runner = _runner(lt, None, "eager")
-    # accelerate gives each process every world-th batch (padded to the same count), so the
-    # per-process count is known before the loaders are prepared
-    processes = runner._accelerator.num_processes
-    lt.num_training_batches = limited_batches(lt.limit_train_batches, math.ceil(len(train_loader) / processes))
+    # no dataloader is requested before on_fit_start unless configure_optimizers reads
+    # estimated_stepping_batches; until then the number of training batches is unknown
+    lt._train_loader, lt._val_loaders = None, []
+    lt.num_training_batches = float("inf")
+    lt._load_train_data = functools.partial(_load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
     optimizers, lt.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
     lt.optimizers = optimizers
     if module.automatic_optimization and len(optimizers) != 1:
@@ -274,22 +318,8 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     lt._before_step_hooks = hooks.overridden("on_before_optimizer_step")
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
     lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
-    interval = lt.val_check_interval
-    if isinstance(interval, int) and interval > lt.num_training_batches and lt.check_val_every_n_epoch is not None:
-        raise ValueError(
-            f"val_check_interval={interval} batches is more than the {lt.num_training_batches} training batches of "
-            "an epoch; lower it, or set check_val_every_n_epoch=None to count batches across epochs"
-        )
-    runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
-    lt._resumed = False
+    lt._restarting = False
     lt._scaler_state = None
-    if ckpt_path is not None:
-        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore(lt, lt.ckpt_path, weights_only=weights_only)
-        lt._resumed = True
-    _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
-    if lt._args.enable_model_summary and lt.is_global_zero:
-        print(summarize(module))
     clip_value = clip_norm = None
     if lt.gradient_clip_val and not lt._custom_clipping and module.automatic_optimization:
         if lt.gradient_clip_algorithm is not None and lt.gradient_clip_algorithm.value == "value":
@@ -299,6 +329,21 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     runner.optimizer = optimizers[0] if optimizers else None
 
     def train():
+        hooks("on_fit_start")
+        _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
+        if checkpoint is not None:
+            ckpt_io.restore_training_state(lt, lt.ckpt_path, checkpoint)
+        _load_data(lt, val_dataloaders)
+        interval = lt.val_check_interval
+        if isinstance(interval, int) and interval > lt.num_training_batches and lt.check_val_every_n_epoch is not None:
+            raise ValueError(
+                f"val_check_interval={interval} batches is more than the {lt.num_training_batches} training batches "
+                "of an epoch; lower it, or set check_val_every_n_epoch=None to count batches across epochs"
+            )
+        runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
+        if lt._args.enable_model_summary and lt.is_global_zero:
+            print(summarize(module))
+        train_loader = lt._train_loader
         runner.train(
             train_loader,
             num_epochs=max(lt.max_epochs, 1),
@@ -310,6 +355,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
 
     def finish(failed: bool) -> None:
         lt.training = False
+        lt._load_train_data = None
         if not failed:
             hooks("on_fit_end")
 

@@ -78,8 +78,8 @@ def run_fit(lt, runner) -> None:
         # accelerate's prepared loaders shard the batches over the processes
         lt._train_loader = runner._train_dataloader
         lt._val_loaders = [prepare_eval_loader(runner, dl) for dl in lt._val_loaders]
-    hooks("on_fit_start")
-    if lt._num_sanity_batches() > 0 and not lt._resumed:
+    # on_fit_start has run in fit(): Lightning calls it before requesting the dataloaders
+    if lt._num_sanity_batches() > 0 and not lt._restarting:
         lt.sanity_checking = True
         hooks.callbacks_only("on_sanity_check_start")
         # as in Lightning, the sanity check leaves the random state as it found it, so the

@@ -16,7 +16,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
@@ -82,7 +82,11 @@ class Trainer:
         self.optimizers: list = []
         self.lr_scheduler_configs: list = []
         self.ckpt_path = None
-        self._resumed = False
+        #: a fit resumed inside an epoch (or limited by max_steps): no sanity check, as in Lightning
+        self._restarting = False
+        #: loads the fit's training data when something reads the estimate before the fit
+        #: loads it (configure_optimizers); None once loaded
+        self._load_train_data = None
         #: the loss scaler's state from the checkpoint a fit resumes from, loaded once the fit's
         #: accelerator (and its scaler) exists
         self._scaler_state = None
@@ -98,7 +102,10 @@ class Trainer:
     # ------------------------------------------------------------------ construction
     @staticmethod
     def _build_callbacks(args) -> list:
-        callbacks = list(args.callbacks or [])
+        """The run's callbacks: ``callbacks=`` (a list, or one callback, as Lightning takes it), a
+        ``ModelCheckpoint`` added when checkpointing is on and none is given, checkpoints last."""
+        given = args.callbacks
+        callbacks = [given] if isinstance(given, Callback) else list(given or [])
         check_supported_callbacks(callbacks)
         if args.enable_checkpointing and not any(isinstance(cb, Checkpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint())
@@ -212,7 +219,10 @@ class Trainer:
 
     @property
     def estimated_stepping_batches(self) -> float:
-        """Optimizer updates the fit will make: Lightning's estimate."""
+        """Optimizer updates the fit will make: Lightning's estimate. Read before the fit has
+        loaded its training data (in ``configure_optimizers``), it loads it, as Lightning does."""
+        if self._load_train_data is not None:
+            self._load_train_data()
         if self.num_training_batches == float("inf") or self.max_epochs == -1:
             return float("inf") if self.max_steps == -1 else self.max_steps
         total = math.ceil(self.num_training_batches / self.accumulate_grad_batches) * max(self.max_epochs, 1)
