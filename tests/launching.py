@@ -10,6 +10,7 @@ gloo peer that never answers on a loaded machine fails one attempt, not the suit
 hangs twice, or exits with an error, fails the test.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -62,10 +63,11 @@ def run_two_and_one(worker: Path, out: Path, env, timeout_s: float) -> dict:
     references); fails the test unless both succeed within ``timeout_s`` (a hang is retried once).
     Returns what the worker saved in ``out``, by :data:`RESULT_NAMES`."""
     deadline = time.monotonic() + timeout_s
-    multi = start(torchrun_two(worker, out), out / "two_processes.log", env)
-    single = start([sys.executable, str(worker), str(out)], out / "one_process.log", env)
-    finish(single, deadline, "the single-process reference", retry_s=timeout_s)
-    finish(multi, deadline, "torchrun --nproc_per_node 2", retry_s=timeout_s)
+    with LaunchGroup() as launches:
+        multi = launches.start(torchrun_two(worker, out), out / "two_processes.log", env)
+        single = launches.start([sys.executable, str(worker), str(out)], out / "one_process.log", env)
+        finish(single, deadline, "the single-process reference", retry_s=timeout_s)
+        finish(multi, deadline, "torchrun --nproc_per_node 2", retry_s=timeout_s)
     return {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RESULT_NAMES}
 
 
@@ -77,8 +79,11 @@ def free_port() -> int:
 
 def _with_fresh_port(cmd: list) -> list:
     cmd = list(cmd)
-    for i, arg in enumerate(cmd[:-1]):
-        if arg in PORT_OPTIONS:
+    for i, arg in enumerate(cmd):
+        option, equals, _ = arg.partition("=")
+        if option in PORT_OPTIONS and equals:
+            cmd[i] = f"{option}={free_port()}"
+        elif arg in PORT_OPTIONS and i + 1 < len(cmd):
             cmd[i + 1] = str(free_port())
     return cmd
 
@@ -116,6 +121,14 @@ class Launch:
             raise LaunchHung() from None
 
     def _dump_stacks_and_kill(self) -> None:
+        self._end_tree(signal.SIGABRT)  # each fault handler writes its stacks, then its process ends
+
+    def kill(self) -> None:
+        """End the launch and every process it started, if it is still running."""
+        if self.proc.poll() is None:
+            self._end_tree(None)
+
+    def _end_tree(self, first_signal) -> None:
         # torchrun starts each worker in a session of its own: the workers are found as the
         # launcher's descendants, before the launcher ends and they are handed to init
         try:
@@ -123,9 +136,10 @@ class Launch:
             processes = [launcher, *launcher.children(recursive=True)]
         except psutil.NoSuchProcess:
             processes = []
-        for process in processes[1:] or processes:
-            _signal(process, signal.SIGABRT)  # the fault handler writes its stacks, then it ends
-        psutil.wait_procs(processes[1:] or processes, timeout=STACK_DUMP_S)
+        if first_signal is not None:
+            for process in processes:
+                _signal(process, first_signal)
+            psutil.wait_procs(processes, timeout=STACK_DUMP_S)
         for process in processes:
             _signal(process, signal.SIGKILL)
         self.proc.wait()
@@ -140,6 +154,25 @@ def _signal(process, sig) -> None:
 
 def start(cmd, log_path: Path, env) -> Launch:
     return Launch(cmd, log_path, env)
+
+
+class LaunchGroup(contextlib.AbstractContextManager):
+    """Launches started side by side: on the way out, also when a test fails on one of them,
+    every one still running is killed with all its processes, so none is left waiting for a
+    peer for the rest of the test session."""
+
+    def __init__(self):
+        self.launches = []
+
+    def start(self, cmd, log_path: Path, env) -> Launch:
+        launch = start(cmd, log_path, env)
+        self.launches.append(launch)
+        return launch
+
+    def __exit__(self, *exc):
+        for launch in self.launches:
+            launch.kill()
+        return None
 
 
 def wait(launch: Launch, deadline: float, what: str) -> int:
@@ -161,9 +194,9 @@ def finish(launch: Launch, deadline: float, what: str, retry_s: float = None) ->
         if retry_s is None:
             pytest.fail(f"{what} timed out; end of its output, with the stacks of its processes:\n"
                         f"{launch.log_tail(HUNG_LOG_TAIL)}")
-        hung = launch.log_tail(HUNG_LOG_TAIL)
+        warnings.warn(f"{what} hung and is started again; the stacks of its processes:\n"
+                      f"{launch.log_tail(HUNG_LOG_TAIL)}", stacklevel=2)
         launch.restart()
-        warnings.warn(f"{what} hung and was started again; the stacks of its processes:\n{hung}", stacklevel=2)
         code = wait(launch, time.monotonic() + retry_s, f"{what} (started again after a hang)")
     if code != 0:
         pytest.fail(f"{what} failed ({code}); end of its output:\n{launch.log_tail()}")

@@ -134,6 +134,16 @@ def test_a_copied_handler_still_tracks_changes_to_its_list():
     assert _dispatched(handler) == ["a"]
 
 
+def test_a_shallow_copy_does_not_share_the_lists_the_loops_hold():
+    log = []
+    handler = CallbackHandler([_named(Logged, "a", log)])
+    held = handler.handlers("on_train_step_end")
+    clone = copy.copy(handler)
+    clone.callbacks.clear()
+    assert [m.__self__.name for m in held] == ["a"] and _dispatched(handler) == ["a"]
+    assert clone.handlers("on_train_step_end") == []
+
+
 class _FakeTrainer:
     class run_history:
         current_epoch = 1

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from launching import RESULT_NAMES, launch_env, torchrun_two  # noqa: E402
-from launching import finish as _succeed, free_port as _free_port, start as _start, wait as _wait  # noqa: E402
+from launching import LaunchGroup  # noqa: E402
+from launching import finish as _succeed, free_port as _free_port, wait as _wait  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "fsdp_worker.py"
@@ -56,24 +57,25 @@ def launches(tmp_path_factory):
     bad_env = {k: v for k, v in env.items() if k != "ACCELERATE_USE_CPU"}
     bad_env["CUDA_VISIBLE_DEVICES"] = ""
     start = time.monotonic()
-    multi = _start(torchrun_two(WORKER, str(out)), out / "two_processes.log", cpu_env)
-    single = _start([sys.executable, str(WORKER), str(out)], out / "one_process.log", cpu_env)
-    bad = _start(torchrun_two(WORKER, "--bad-launch"), out / "bad_launch.log", bad_env)
-    bad_code = _wait(bad, start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
-    bad_log = bad.log_path.read_text(errors="replace")
-    (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
-    config_launch = _start(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "fsdp2.yaml"),
-         "--main_process_port", str(_free_port()), str(WORKER), "--config-file-launch", str(out)],
-        out / "config_file_launch.log",
-        cpu_env,
-    )
-    deadline = start + LAUNCH_TIMEOUT_S
-    _succeed(config_launch, deadline, "accelerate launch --config_file fsdp2.yaml", retry_s=LAUNCH_TIMEOUT_S)
-    _succeed(single, deadline, "the single-process reference", retry_s=LAUNCH_TIMEOUT_S)
-    _succeed(multi, deadline, "torchrun --nproc_per_node 2 (FSDP2)", retry_s=LAUNCH_TIMEOUT_S)
-    again = _start(torchrun_two(WORKER, "--compiled-again", str(out)), out / "compiled_again.log", cpu_env)
-    _succeed(again, time.monotonic() + LAUNCH_TIMEOUT_S, "the second compiled launch", retry_s=LAUNCH_TIMEOUT_S)
+    with LaunchGroup() as group:
+        multi = group.start(torchrun_two(WORKER, str(out)), out / "two_processes.log", cpu_env)
+        single = group.start([sys.executable, str(WORKER), str(out)], out / "one_process.log", cpu_env)
+        bad = group.start(torchrun_two(WORKER, "--bad-launch"), out / "bad_launch.log", bad_env)
+        bad_code = _wait(bad, start + BAD_LAUNCH_TIMEOUT_S, "the unrecognised launch")
+        bad_log = bad.log_path.read_text(errors="replace")
+        (out / "fsdp2.yaml").write_text(FSDP2_CONFIG)
+        config_launch = group.start(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(out / "fsdp2.yaml"),
+             "--main_process_port", str(_free_port()), str(WORKER), "--config-file-launch", str(out)],
+            out / "config_file_launch.log",
+            cpu_env,
+        )
+        deadline = start + LAUNCH_TIMEOUT_S
+        _succeed(config_launch, deadline, "accelerate launch --config_file fsdp2.yaml", retry_s=LAUNCH_TIMEOUT_S)
+        _succeed(single, deadline, "the single-process reference", retry_s=LAUNCH_TIMEOUT_S)
+        _succeed(multi, deadline, "torchrun --nproc_per_node 2 (FSDP2)", retry_s=LAUNCH_TIMEOUT_S)
+        again = group.start(torchrun_two(WORKER, "--compiled-again", str(out)), out / "compiled_again.log", cpu_env)
+        _succeed(again, time.monotonic() + LAUNCH_TIMEOUT_S, "the second compiled launch", retry_s=LAUNCH_TIMEOUT_S)
     loaded = {name: torch.load(out / f"{name}.pt", weights_only=False) for name in RESULT_NAMES}
     print(f"\nFSDP launches: {time.monotonic() - start:.1f}s; scenario times (rank 0): "
           + ", ".join(f"{k} {v:.1f}s" for k, v in loaded["rank0_world2"]["timings"].items()))

@@ -30,7 +30,7 @@ from launching import finish, launch_env, start, torchrun_two  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
-LAUNCH_TIMEOUT_S = 120
+LAUNCH_TIMEOUT_S = 180
 DAMAGES = ("missing_shard", "truncated_shard", "flipped_byte_rank1_shard", "missing_dcp_metadata", "no_manifest")
 
 

@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from launching import finish, launch_env, start, torchrun_two, wait
+from launching import LaunchGroup, _with_fresh_port, finish, launch_env, start, torchrun_two, wait
 
 # waits in a function of its own name, so that its stack can be recognised; hangs only on the
 # first run when MARKER is given (the marker file records that a run happened)
@@ -67,10 +67,11 @@ def test_a_hung_torchrun_launch_shows_both_workers_stacks_and_ends_them(tmp_path
 
 def test_a_hang_is_started_again_once_with_a_warning(tmp_path, script):
     launch = start([sys.executable, str(script), str(tmp_path / "ran")], tmp_path / "again.log", launch_env())
-    with pytest.warns(UserWarning, match="(?s)the script hung and was started again.*waiting_in_the_script"):
+    with pytest.warns(UserWarning, match="(?s)the script hung and is started again.*waiting_in_the_script"):
         finish(launch, time.monotonic() + 3, "the script", retry_s=30)
     assert launch.attempts == 2
     assert "waiting_in_the_script" in (tmp_path / "again.log.attempt1").read_text()
+    _descendants_ended(launch)
     assert (tmp_path / "again.log").read_text() == "started plain\n"
 
 
@@ -86,3 +87,46 @@ def test_a_failing_launch_fails_at_once_with_its_output(tmp_path):
     with pytest.raises(pytest.fail.Exception, match="(?s)the script failed \\(3\\).*before"):
         finish(launch, time.monotonic() + 30, "the script", retry_s=30)
     assert launch.attempts == 1
+
+
+def test_a_launch_that_hangs_twice_fails(tmp_path, script):
+    launch = start([sys.executable, str(script)], tmp_path / "twice.log", launch_env())
+    with pytest.warns(UserWarning, match="hung and is started again"):
+        with pytest.raises(pytest.fail.Exception, match=r"the script \(started again after a hang\) timed out"):
+            finish(launch, time.monotonic() + 3, "the script", retry_s=3)
+    assert launch.attempts == 2
+    _descendants_ended(launch)
+
+
+def test_a_hung_process_with_children_writes_its_own_stack_too(tmp_path, script):
+    # a process with a child of its own (data-loader workers, compile workers) is not a launcher:
+    # its stack is what the failure must show
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, {str(script)!r}])\n"
+        "def parent_waits_here():\n"
+        "    time.sleep(600)\n"
+        "parent_waits_here()\n"
+    )
+    launch = start([sys.executable, str(parent)], tmp_path / "parent.log", launch_env())
+    with pytest.raises(pytest.fail.Exception) as failure:
+        wait(launch, time.monotonic() + 3, "the parent")
+    assert "parent_waits_here" in str(failure.value) and "waiting_in_the_script" in str(failure.value)
+    _descendants_ended(launch)
+
+
+def test_launches_of_a_group_end_with_it(tmp_path, script):
+    with pytest.raises(RuntimeError):
+        with LaunchGroup() as group:
+            launch = group.start([sys.executable, str(script)], tmp_path / "group.log", launch_env())
+            raise RuntimeError("a test failing on another launch")
+    _descendants_ended(launch)
+
+
+def test_a_restart_listens_on_a_fresh_port():
+    cmd = ["torchrun", "--master_port", "1", "--main_process_port=2", "worker.py", "--master_port"]
+    fresh = _with_fresh_port(cmd)
+    assert fresh[0] == "torchrun" and fresh[3].startswith("--main_process_port=") and fresh[4:] == cmd[4:]
+    assert fresh[2] != "1" and int(fresh[2]) > 0
+    assert fresh[3] != "--main_process_port=2" and int(fresh[3].split("=")[1]) > 0

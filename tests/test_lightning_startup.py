@@ -169,7 +169,9 @@ def test_hyperparameters_reach_loggers_after_on_fit_start():
 
 def _checkpoint(tmp_path, writer, where):
     """A checkpoint of Recorder's module written by ``writer``: after one full epoch
-    (``"end"``) or at step 3 of 6 (``"mid"``)."""
+    (``"end"``), or (``"mid"``) by ModelCheckpoint at the third and last batch of an epoch
+    limited to 3 batches, before the epoch's end: a state both trainers count as inside the
+    epoch."""
     recorder = Recorder()
     root = tmp_path / f"{writer.__module__.split('.')[0]}-{where}"
     if where == "end":

@@ -117,9 +117,22 @@ def test_without_a_save_location_nothing_is_saved(tmp_path, capsys):
 def test_second_signal_aborts_at_once(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     log = EventLog()
-    trainer, _ = build_trainer(
-        callbacks=[SendSignal(2, signal.SIGINT, times=2), log], interrupt_save_dir=str(tmp_path / "int")
-    )
+    class SecondAtStepEnd(TrainerCallback):
+        # the first signal at the start of a step, the second at its end: two separate
+        # deliveries within the one step the first signal lets finish
+        sent = 0
+
+        def on_train_step_start(self, trainer, **kwargs):
+            if self.sent == 0 and trainer.num_updates == 1:
+                self.sent = 1
+                signal.raise_signal(signal.SIGINT)
+
+        def on_train_step_end(self, trainer, **kwargs):
+            if self.sent == 1:
+                self.sent = 2
+                signal.raise_signal(signal.SIGINT)
+
+    trainer, _ = build_trainer(callbacks=[SecondAtStepEnd(), log], interrupt_save_dir=str(tmp_path / "int"))
     with pytest.raises(KeyboardInterrupt):
         trainer.train(**train_kwargs())
     assert ("interrupted", signal.SIGINT) not in log.events

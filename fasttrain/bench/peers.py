@@ -14,6 +14,7 @@ them (see runner.py), so no peer carries a timing hook inside its loop.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import os
 from typing import Callable, Dict, List, Optional
@@ -319,7 +320,9 @@ FASTTRAIN_LIGHTNING_REQUIRES = ">=2.6,<2.7"
 def _import_lightning():
     try:
         import lightning as L
-    except ImportError:
+    except ImportError as exc:
+        if importlib.util.find_spec("lightning") is not None:  # installed, failing inside its own imports
+            raise PeerUnavailable(f"lightning fails to import: {_one_line(exc)}") from exc
         try:
             import pytorch_lightning as L
         except ImportError as exc:

@@ -217,6 +217,9 @@ class CallbackHandler:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        # lists of its own: a shallow copy must not share (and clear) the original's, which
+        # the training loop holds
+        self._dispatch = {event: [] for event in state["_dispatch"]}
         self._callbacks = _CallbackList(self._callbacks, self)
         self._rebuild()
 

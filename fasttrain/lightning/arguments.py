@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 PRECISIONS = {
     None: "no", 32: "no", "32": "no", "32-true": "no",
@@ -111,10 +111,10 @@ class TrainerArguments:
                 f"precision={self.precision!r} is not supported; use one of '32-true', 'bf16-mixed', '16-mixed'"
             )
         if self.precision in _DISCOURAGED_PRECISIONS:
-            warnings.warn(
+            rank_zero_warn(
                 f"`precision={self.precision}` is supported for historical reasons but its usage is discouraged. "
                 f"Please set your precision to {_DISCOURAGED_PRECISIONS[self.precision]} instead!",
-                stacklevel=5,
+                stacklevel=8,  # through rank_zero_warn's wrappers to the Trainer(...) call
             )
         self.mixed_precision = PRECISIONS[self.precision]
         if self.accelerator not in ACCELERATORS:

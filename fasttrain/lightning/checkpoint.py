@@ -165,14 +165,14 @@ def resolve_path(lt, ckpt_path) -> str:
 
 
 def load(path: str, weights_only: Optional[bool] = None) -> dict:
-    """``torch.load`` of a checkpoint as Lightning loads a local file: ``weights_only`` None or
-    True reads only tensors and plain Python values, so a file carrying other pickled objects
+    """``torch.load`` of a checkpoint as Lightning loads a local file: ``weights_only`` is passed
+    on, and None leaves the choice to torch (safe loading: tensors and plain Python values only,
+    unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), so a file carrying other pickled objects
     (whose unpickling can run code) is refused with an error saying how to load it when trusted."""
-    safe = weights_only is None or weights_only
     try:
-        return torch.load(path, map_location="cpu", weights_only=safe)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as error:
-        if not safe:
+        if weights_only is False:
             raise
         raise CheckpointError(
             f"Refusing to load {path}: it holds objects other than tensors and plain Python values, and "
