@@ -108,7 +108,12 @@ class InterruptHandler(InterruptFlag):
         if threading.current_thread() is not threading.main_thread():
             return False
         for signum in self.signals:
-            self._previous[signum] = signal.getsignal(signum)
+            previous = signal.getsignal(signum)
+            if previous == signal.SIG_IGN:
+                # the process was started to ignore it (a shell starts background jobs ignoring
+                # SIGINT, so that a Ctrl-C at the terminal does not reach them): it stays ignored
+                continue
+            self._previous[signum] = previous
             signal.signal(signum, self._on_signal)
         return True
 

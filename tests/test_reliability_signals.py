@@ -114,25 +114,43 @@ def test_without_a_save_location_nothing_is_saved(tmp_path, capsys):
     assert "no training state saved" in capsys.readouterr().out
 
 
+@pytest.fixture(autouse=True)
+def default_signal_handlers():
+    """The handlers a Python process starts with, whatever this one was started with (a shell's
+    background job starts with SIGINT ignored)."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+def test_a_signal_the_process_ignores_stays_ignored(tmp_path):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log = EventLog()
+    trainer, _ = build_trainer(callbacks=[SendSignal(2, signal.SIGINT, times=2), log],
+                               interrupt_save_dir=str(tmp_path / "int"))
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_train_step_end(self, trainer, **kwargs):
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    trainer.callback_handler.add_callback(Look())
+    trainer.train(**train_kwargs())
+    assert ("interrupted", signal.SIGINT) not in log.events and trainer.stop_reason is None
+    assert log.events.count("step") == 3 * 6  # every step of the three epochs ran
+    assert set(seen) == {signal.SIG_IGN} and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    assert not (tmp_path / "int").exists()
+
+
 def test_second_signal_aborts_at_once(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     log = EventLog()
-    class SecondAtStepEnd(TrainerCallback):
-        # the first signal at the start of a step, the second at its end: two separate
-        # deliveries within the one step the first signal lets finish
-        sent = 0
-
-        def on_train_step_start(self, trainer, **kwargs):
-            if self.sent == 0 and trainer.num_updates == 1:
-                self.sent = 1
-                signal.raise_signal(signal.SIGINT)
-
-        def on_train_step_end(self, trainer, **kwargs):
-            if self.sent == 1:
-                self.sent = 2
-                signal.raise_signal(signal.SIGINT)
-
-    trainer, _ = build_trainer(callbacks=[SecondAtStepEnd(), log], interrupt_save_dir=str(tmp_path / "int"))
+    trainer, _ = build_trainer(
+        callbacks=[SendSignal(2, signal.SIGINT, times=2), log], interrupt_save_dir=str(tmp_path / "int")
+    )
     with pytest.raises(KeyboardInterrupt):
         trainer.train(**train_kwargs())
     assert ("interrupted", signal.SIGINT) not in log.events
