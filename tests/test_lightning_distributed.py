@@ -1,6 +1,7 @@
 """Two gloo processes with DDP or FSDP2 (through accelerate) against one lightning.Trainer
 process: the two processes' batches of 4 together are the reference's batch of 8, so the weights,
-the step count and the process-averaged validation loss must agree."""
+the step count and the process-averaged validation loss must agree. The set-up hooks of the first
+run already see the launch's ranks, and ``prepare_data`` runs on local rank 0 only."""
 
 import sys
 import time
@@ -34,8 +35,14 @@ def test_two_processes_match_one_lightning_process(tmp_path, strategy):
     reference = SyncedClassifier()
     trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, **QUIET)
     trainer.fit(reference, loader(classification_data(), batch_size=8), loader(classification_data(n=16, seed=1), 8))
-    for result in ranks:
+    for rank, result in enumerate(ranks):
         assert result["world_size"] == 2
+        # as in Lightning: the process group exists before the first hooks of the first run
+        expected = (2, rank, rank, rank == 0)
+        assert result["seen"]["setup"] == expected
+        assert result["seen"]["configure_model"] == expected
+        # prepare_data_per_node=True (the default): local rank 0 of the node only
+        assert result["seen"].get("prepare_data") == (expected if rank == 0 else None)
         assert result["sharded"] == (strategy == "fsdp")  # strategy="fsdp" really shards (FSDP2)
         assert result["global_step"] == trainer.global_step == 6
         ours = reference.__class__()

@@ -9,6 +9,7 @@ import math
 import warnings
 from typing import Any, Callable, Optional
 
+from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
@@ -106,12 +107,28 @@ def _check_sized(loaders, what: str) -> None:
             ) from None
 
 
+def _prepare_data(lt) -> None:
+    """Lightning's rule for the DataModule's and then the module's ``prepare_data``, each only
+    when overridden: it runs on local rank 0 of every node when the owner's
+    ``prepare_data_per_node`` is True (the default), else only on local rank 0 of node 0; every
+    process waits at a barrier without a timeout until it has run (a download may take long)."""
+    local_zero = lt.local_rank == 0
+    owners = ((lt.datamodule, lambda: lt.datamodule.prepare_data()),
+              (lt.lightning_module, lambda: lt._hooks.module_hook("prepare_data")))
+    for owner, call in owners:
+        if owner is None or not is_overridden("prepare_data", owner):
+            continue
+        with _InfiniteBarrier():
+            if local_zero and (owner.prepare_data_per_node or lt.node_rank == 0):
+                call()
+
+
 def _setup_hooks(lt, stage) -> None:
+    """prepare_data, setup, configure_model; the run's ModuleRunner exists already, so the
+    process group is up and the hooks see the launch's ranks (see :func:`_runner`)."""
     hooks = lt._hooks
     dm = lt.datamodule
-    if dm is not None:
-        dm.prepare_data()
-    hooks.module_hook("prepare_data")
+    _prepare_data(lt)
     for logger in lt.loggers:
         getattr(logger, "experiment", None)  # Lightning creates the experiment before setup
     if dm is not None:
@@ -218,18 +235,27 @@ def _check_devices(lt, processes: int) -> None:
         )
 
 
-def _runner(lt, optimizer, engine: str) -> ModuleRunner:
+def _runner(lt, engine: str) -> ModuleRunner:
+    """The run's ModuleRunner, built before the set-up hooks: building its Accelerator starts the
+    process group on the first run, so that ``prepare_data``, ``setup``, ``configure_model`` and
+    the checkpoint hooks see the launch's world size and ranks, as under Lightning. The module is
+    moved to the device later (:func:`_to_device`), once those hooks have built and loaded it."""
     args = lt._args
     runner = ModuleRunner(
-        lt, optimizer, engine=engine, log_every_n_steps=max(args.log_every_n_steps, 1),
+        lt, None, engine=engine, log_every_n_steps=max(args.log_every_n_steps, 1),
         mixed_precision=args.mixed_precision, compile_options=args.compile_options, nonfinite=args.nonfinite,
         handle_signals=False,
     )
     _check_devices(lt, runner._accelerator.num_processes)
     lt._runner = runner
     lt._device = runner.device
-    lt.lightning_module.to(runner.device)
     return runner
+
+
+def _to_device(lt, runner: ModuleRunner) -> None:
+    """The module onto the run's device, after the set-up hooks and any checkpoint restore, so
+    that layers ``configure_model`` creates move too."""
+    lt.lightning_module.to(runner.device)
 
 
 def _load_train_data(lt, given, processes: int) -> None:
@@ -275,10 +301,11 @@ def _load_data(lt, val_dataloaders) -> None:
 
 
 def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only=None) -> None:
-    """Lightning's fit, in its start-up order: prepare_data, setup, configure_model; from a
-    checkpoint, the module's ``on_load_checkpoint`` and weights, the DataModule's state and the
-    callbacks'; ``configure_optimizers``; ``on_fit_start``; hyperparameters to the loggers; from
-    the checkpoint, the loop counters, optimizer and scheduler states; the dataloaders (see
+    """Lightning's fit, in its start-up order: the process group (the run's ModuleRunner);
+    prepare_data, setup, configure_model; from a checkpoint, the module's ``on_load_checkpoint``
+    and weights, the DataModule's state and the callbacks'; the module to the device;
+    ``configure_optimizers``; ``on_fit_start``; hyperparameters to the loggers; from the
+    checkpoint, the loop counters, optimizer and scheduler states; the dataloaders (see
     :func:`_load_data`); then the fit loop (sanity check, ``on_train_start``, the epochs)."""
     if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
         raise ValueError("pass either dataloaders or a datamodule to fit(), not both")
@@ -287,13 +314,14 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     _attach(lt, model, datamodule, TrainerFn.FITTING)
     module = lt.lightning_module
     lt.training = True
+    runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.FITTING)
     checkpoint = None
     if ckpt_path is not None:
         lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
         checkpoint = ckpt_io.restore_module(lt, lt.ckpt_path, weights_only)
         ckpt_io.restore_datamodule_and_callbacks(lt, checkpoint)
-    runner = _runner(lt, None, "eager")
+    _to_device(lt, runner)
     # no dataloader is requested before on_fit_start unless configure_optimizers reads
     # estimated_stepping_batches; until then the number of training batches is unknown
     lt._train_loader, lt._val_loaders = None, []
@@ -385,6 +413,7 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
     step = "test_step" if stage == "test" else "validation_step"
     if not module_overrides(lt.lightning_module, step):
         raise ValueError(f"{stage}() needs the module to define {step}()")
+    runner = _runner(lt, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     _setup_hooks(lt, fn)
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
     loaders = _as_list(_loader(lt, dataloaders, hook))
@@ -396,7 +425,7 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
     else:
         lt._val_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
-    runner = _runner(lt, None, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
+    _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
@@ -407,13 +436,14 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, w
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
+    runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
     _check_sized(loaders, "prediction")
     _restore_weights(lt, ckpt_path, weights_only)
-    runner = _runner(lt, None, "eager")
+    _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])
     predictions = _call_and_teardown(lt, TrainerFn.PREDICTING, lambda: run_predict(lt, runner, loaders))
     return None if return_predictions is False else predictions

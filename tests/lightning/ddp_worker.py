@@ -1,5 +1,6 @@
 """Run under ``torchrun --nproc_per_node 2``: fit a LightningModule with fasttrain.lightning's
-Trainer over two gloo processes (DDP through accelerate) and save what the test compares.
+Trainer over two gloo processes (DDP through accelerate) and save what the test compares,
+including what the trainer reported of the processes in the fit's set-up hooks.
 
 Usage: ddp_worker.py OUT_DIR [STRATEGY]   (STRATEGY: ddp, the default, or fsdp)
 """
@@ -28,6 +29,31 @@ class SyncedClassifier(Classifier):
         self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
 
 
+class RecordingClassifier(SyncedClassifier):
+    """Records, in the set-up hooks of the first run (the fit), what the trainer says of this
+    process: ``(world_size, global_rank, local_rank, is_global_zero)`` per hook. A hook that did
+    not run in this process has no entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def _record(self, hook: str) -> None:
+        trainer = self.trainer
+        self.seen.setdefault(
+            hook, (trainer.world_size, trainer.global_rank, trainer.local_rank, trainer.is_global_zero)
+        )
+
+    def prepare_data(self):
+        self._record("prepare_data")
+
+    def setup(self, stage):
+        self._record("setup")
+
+    def configure_model(self):
+        self._record("configure_model")
+
+
 def _full(value):
     """A sharded (FSDP2) parameter gathered whole; anything else as it is."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
@@ -35,7 +61,7 @@ def _full(value):
 
 def main(out: Path, strategy: str) -> None:
     torch.manual_seed(0)
-    module = SyncedClassifier()
+    module = RecordingClassifier()
     trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy=strategy, devices=2,
                       accelerator="cpu", **QUIET)
     # per process 4 samples a batch: the two processes together take the reference's batch of 8
@@ -48,6 +74,7 @@ def main(out: Path, strategy: str) -> None:
         "sharded": any(hasattr(p, "full_tensor") for p in module.parameters()),
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "validated": validated,
+        "seen": module.seen,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
