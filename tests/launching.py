@@ -117,11 +117,8 @@ class Launch:
         try:
             return self.proc.wait(timeout=max(deadline - time.monotonic(), 1))
         except subprocess.TimeoutExpired:
-            self._dump_stacks_and_kill()
+            self._end_tree(signal.SIGABRT)  # each fault handler writes its stacks, then its process ends
             raise LaunchHung() from None
-
-    def _dump_stacks_and_kill(self) -> None:
-        self._end_tree(signal.SIGABRT)  # each fault handler writes its stacks, then its process ends
 
     def kill(self) -> None:
         """End the launch and every process it started, if it is still running."""
@@ -180,8 +177,12 @@ def wait(launch: Launch, deadline: float, what: str) -> int:
     try:
         return launch.wait(deadline)
     except LaunchHung:
-        pytest.fail(f"{what} timed out; end of its output, with the stacks of its processes:\n"
-                    f"{launch.log_tail(HUNG_LOG_TAIL)}")
+        _fail_hung(launch, what)
+
+
+def _fail_hung(launch: Launch, what: str) -> None:
+    pytest.fail(f"{what} timed out; end of its output, with the stacks of its processes:\n"
+                f"{launch.log_tail(HUNG_LOG_TAIL)}")
 
 
 def finish(launch: Launch, deadline: float, what: str, retry_s: float = None) -> None:
@@ -192,8 +193,7 @@ def finish(launch: Launch, deadline: float, what: str, retry_s: float = None) ->
         code = launch.wait(deadline)
     except LaunchHung:
         if retry_s is None:
-            pytest.fail(f"{what} timed out; end of its output, with the stacks of its processes:\n"
-                        f"{launch.log_tail(HUNG_LOG_TAIL)}")
+            _fail_hung(launch, what)
         warnings.warn(f"{what} hung and is started again; the stacks of its processes:\n"
                       f"{launch.log_tail(HUNG_LOG_TAIL)}", stacklevel=2)
         launch.restart()

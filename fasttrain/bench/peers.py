@@ -293,10 +293,8 @@ class FasttrainPeer(_TrainerPeer):
     @property
     def engine_ran(self) -> Optional[str]:
         """The engine that ran the last training steps (another one after a fallback)."""
-        engine = getattr(getattr(self, "trainer", None), "_engine", None)
-        if engine is None:
-            return None
-        return getattr(engine, "active_engine", engine.name)
+        trainer = getattr(self, "trainer", None)
+        return None if trainer is None else trainer.active_engine
 
     def run(self, num_steps: int) -> None:
         super().run(num_steps)
@@ -318,20 +316,20 @@ FASTTRAIN_LIGHTNING_REQUIRES = ">=2.6,<2.7"
 
 
 def _import_lightning():
-    try:
-        import lightning as L
-    except ImportError as exc:
-        if importlib.util.find_spec("lightning") is not None:  # installed, failing inside its own imports
-            raise PeerUnavailable(f"lightning fails to import: {_one_line(exc)}") from exc
+    """The ``lightning`` package, else ``pytorch_lightning``. One that is installed but fails to
+    import (built against another torch, a dependency missing) is reported with the reason, and
+    the other peers still run."""
+    for name in ("lightning", "pytorch_lightning"):
         try:
-            import pytorch_lightning as L
+            return importlib.import_module(name)
         except ImportError as exc:
-            raise PeerUnavailable("Lightning is not installed (pip install fasttrain[peers])") from exc
-        except Exception as exc:  # installed but broken: report it, the other peers still run
-            raise PeerUnavailable(f"pytorch_lightning fails to import: {_one_line(exc)}") from exc
-    except Exception as exc:  # e.g. built against another torch: report it, the other peers still run
-        raise PeerUnavailable(f"lightning fails to import: {_one_line(exc)}") from exc
-    return L
+            if importlib.util.find_spec(name) is None:
+                continue  # not installed
+            failure = exc
+        except Exception as exc:
+            failure = exc
+        raise PeerUnavailable(f"{name} fails to import: {_one_line(failure)}") from failure
+    raise PeerUnavailable("Lightning is not installed (pip install fasttrain[peers])")
 
 
 def _one_line(exc: BaseException) -> str:

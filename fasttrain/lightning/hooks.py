@@ -85,6 +85,18 @@ def order_callbacks(callbacks) -> list:
     ]
 
 
+def call_module_hook(module: LightningModule, name: str, *args, **kwargs):
+    """``module.<name>(...)`` with ``module._current_fx_name`` naming the hook meanwhile (the
+    ``__dict__`` directly: ``nn.Module.__setattr__`` costs microseconds per call)."""
+    state = module.__dict__
+    previous = state.get("_current_fx_name")
+    state["_current_fx_name"] = name
+    try:
+        return getattr(module, name)(*args, **kwargs)
+    finally:
+        state["_current_fx_name"] = previous
+
+
 def merge_module_callbacks(trainer, module: LightningModule) -> None:
     """Add the callbacks ``module.configure_callbacks()`` returns to ``trainer.callbacks``, as
     Lightning does at the start of every fit, validate, test and predict: a returned callback
@@ -92,13 +104,7 @@ def merge_module_callbacks(trainer, module: LightningModule) -> None:
     Lightning's logger), and checkpoint callbacks move to the end."""
     if not module_overrides(module, "configure_callbacks"):
         return
-    state = module.__dict__
-    previous = state.get("_current_fx_name")
-    state["_current_fx_name"] = "configure_callbacks"
-    try:
-        returned = module.configure_callbacks()
-    finally:
-        state["_current_fx_name"] = previous
+    returned = call_module_hook(module, "configure_callbacks")
     if not returned:
         return
     returned = list(returned) if isinstance(returned, Sequence) else [returned]
@@ -149,14 +155,7 @@ class HookCaller:
         state["_current_fx_name"] = previous
 
     def module_hook(self, name: str, *args, **kwargs):
-        module = self.module
-        state = module.__dict__
-        previous = state.get("_current_fx_name")
-        state["_current_fx_name"] = name
-        try:
-            return getattr(module, name)(*args, **kwargs)
-        finally:
-            state["_current_fx_name"] = previous
+        return call_module_hook(self.module, name, *args, **kwargs)
 
     def __call__(self, name: str, *args, **kwargs):
         """Callbacks, then the module; returns the module's result. A module hook that is not

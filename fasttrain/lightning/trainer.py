@@ -261,8 +261,7 @@ class Trainer:
     @property
     def engine(self) -> str:
         """The engine that ran the last training steps (after any fallback)."""
-        engine = self._runner._engine if self._runner is not None else None
-        return getattr(engine, "active_engine", getattr(engine, "name", None))
+        return self._runner.active_engine if self._runner is not None else None
 
     def print(self, *args, **kwargs) -> None:
         if self.is_global_zero:
