@@ -14,6 +14,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.model_summary import summarize
 
@@ -54,6 +55,8 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
         raise TypeError(f"datamodule must be a lightning.LightningDataModule, got {type(datamodule).__name__}")
     lt._module = model
     model.trainer = lt
+    # Lightning's test for a step being defined (a step set to None on the instance is not)
+    lt._has_val_step = is_overridden("validation_step", model)
     if datamodule is not None:
         lt.datamodule = datamodule
         datamodule.trainer = lt
@@ -93,6 +96,16 @@ def _batch_hooks(hooks: HookCaller, model, datamodule) -> dict:
             )
         selected[name] = functools.partial(hooks.module_hook, name) if in_module else None
     return selected
+
+
+def _verify_fit(module) -> None:
+    """Lightning's minimum for a fit, with its error."""
+    for name in ("training_step", "configure_optimizers"):
+        if not is_overridden(name, module):
+            raise MisconfigurationException(
+                f"No `{name}()` method defined. Lightning `Trainer` expects as minimum a `training_step()`, "
+                "`train_dataloader()` and `configure_optimizers()` to be defined."
+            )
 
 
 def _check_sized(loaders, what: str) -> None:
@@ -278,7 +291,7 @@ def _load_val_data(lt, given) -> None:
     """Request the fit's validation dataloaders, only when validation can run
     (``validation_step`` defined, ``limit_val_batches`` not 0), as Lightning requests them."""
     module = lt.lightning_module
-    wanted = module_overrides(module, "validation_step") and lt.limit_val_batches != 0
+    wanted = lt._has_val_step and lt.limit_val_batches != 0
     lt._val_loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
     _check_sized(lt._val_loaders, "validation")
 
@@ -289,7 +302,7 @@ def _load_data(lt, val_dataloaders) -> None:
     ``estimated_stepping_batches`` in ``configure_optimizers`` loaded it already); otherwise
     the training loader first."""
     sanity = (
-        lt.num_sanity_val_steps != 0 and module_overrides(lt.lightning_module, "validation_step")
+        lt.num_sanity_val_steps != 0 and lt._has_val_step
         and lt.limit_val_batches != 0 and not lt._restarting
     )
     if sanity:
@@ -313,6 +326,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
         datamodule, train_dataloaders = train_dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.FITTING)
     module = lt.lightning_module
+    _verify_fit(module)
     lt.training = True
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.FITTING)

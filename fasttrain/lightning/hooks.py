@@ -2,8 +2,10 @@
 
 A hook is called on the callbacks first (in list order), then on the module, with
 ``module._current_fx_name`` naming it so that ``self.log`` inside picks the hook's defaults.
-Which callbacks override a per-step hook is resolved once per run, so a step pays only for the
-hooks someone wrote.
+Lightning calls whatever callable a hook's name resolves to on the instance, so a hook set on
+the instance (``LambdaCallback``, ``model.on_train_epoch_start = f``, ``mock.patch.object``)
+runs and one set to ``None`` is skipped. Which hooks do something (anything but the base class's
+no-op) is resolved once per run, so a step pays only for the hooks someone wrote.
 """
 
 from __future__ import annotations
@@ -37,12 +39,22 @@ _ACTIVE_DEFAULTS = frozenset({
 })
 
 
+def _replaced(obj, name: str, base: type) -> bool:
+    """Whether ``obj.<name>`` (looked up on the instance, as Lightning calls it) is a callable
+    other than ``base``'s own method: an override in the class, or anything set on the instance.
+    ``None`` or another non-callable disables the hook, as in Lightning."""
+    attr = getattr(obj, name, None)
+    if attr is None or not callable(attr):
+        return False
+    return getattr(attr, "__func__", None) is not getattr(base, name, None)
+
+
 def module_overrides(module: LightningModule, name: str) -> bool:
-    return getattr(type(module), name, None) is not getattr(LightningModule, name, None)
+    return _replaced(module, name, LightningModule)
 
 
 def callback_overrides(callback: Callback, name: str) -> bool:
-    return getattr(type(callback), name, None) is not getattr(Callback, name, None)
+    return _replaced(callback, name, Callback)
 
 
 def is_monitoring(callback: Callback) -> bool:
@@ -87,12 +99,16 @@ def order_callbacks(callbacks) -> list:
 
 def call_module_hook(module: LightningModule, name: str, *args, **kwargs):
     """``module.<name>(...)`` with ``module._current_fx_name`` naming the hook meanwhile (the
-    ``__dict__`` directly: ``nn.Module.__setattr__`` costs microseconds per call)."""
+    ``__dict__`` directly: ``nn.Module.__setattr__`` costs microseconds per call). A hook set to
+    ``None`` (or anything not callable) is skipped and gives ``None``, as in Lightning."""
+    method = getattr(module, name)
+    if not callable(method):
+        return None
     state = module.__dict__
     previous = state.get("_current_fx_name")
     state["_current_fx_name"] = name
     try:
-        return getattr(module, name)(*args, **kwargs)
+        return method(*args, **kwargs)
     finally:
         state["_current_fx_name"] = previous
 
@@ -133,13 +149,14 @@ class HookCaller:
         self.trainer = trainer
         self.module = module
         self.callbacks = callbacks
+        #: per hook name, ``(callback, method)`` for the callbacks whose hook does something
         self._callback_methods: Dict[str, list] = {}
         self._module_overrides: Dict[str, bool] = {}
 
     def callback_methods(self, name: str) -> list:
         methods = self._callback_methods.get(name)
         if methods is None:
-            methods = [getattr(cb, name) for cb in self.callbacks if callback_overrides(cb, name)]
+            methods = [(cb, getattr(cb, name)) for cb in self.callbacks if callback_overrides(cb, name)]
             self._callback_methods[name] = methods
         return methods
 
@@ -147,8 +164,8 @@ class HookCaller:
         module = self.module
         state = module.__dict__  # nn.Module.__setattr__ costs microseconds per call on the hot path
         previous = state.get("_current_fx_name")
-        for method in self.callback_methods(name):
-            if monitoring is not None and is_monitoring(method.__self__) != monitoring:
+        for callback, method in self.callback_methods(name):
+            if monitoring is not None and is_monitoring(callback) != monitoring:
                 continue
             state["_current_fx_name"] = name
             method(self.trainer, module, *args, **kwargs)
@@ -159,12 +176,14 @@ class HookCaller:
 
     def __call__(self, name: str, *args, **kwargs):
         """Callbacks, then the module; returns the module's result. A module hook that is not
-        overridden is LightningModule's no-op and is skipped."""
+        overridden is LightningModule's no-op and is skipped, as is one set to ``None``."""
         if self.callback_methods(name):
             self.callbacks_only(name, *args, **kwargs)
         overridden = self._module_overrides.get(name)
         if overridden is None:
-            overridden = self._module_overrides[name] = module_overrides(self.module, name) or name in _ACTIVE_DEFAULTS
+            overridden = self._module_overrides[name] = module_overrides(self.module, name) or (
+                name in _ACTIVE_DEFAULTS and callable(getattr(self.module, name, None))
+            )
         if overridden:
             return self.module_hook(name, *args, **kwargs)
         return None

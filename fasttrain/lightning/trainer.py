@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import limited_batches, parse_arguments
-from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, module_overrides, order_callbacks
+from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
 from fasttrain.lightning.progress import EpochProgress
@@ -98,6 +98,8 @@ class Trainer:
         self._eval_dataloader_idx = None
         self.num_training_batches = 0
         self._hooks: Optional[HookCaller] = None
+        #: whether the attached module defines validation_step (decided when a run attaches it)
+        self._has_val_step = False
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -203,8 +205,7 @@ class Trainer:
 
     @property
     def enable_validation(self) -> bool:
-        module = self._module
-        return bool(self._val_loaders) and module_overrides(module, "validation_step") and self.limit_val_batches != 0
+        return bool(self._val_loaders) and self._has_val_step and self.limit_val_batches != 0
 
     @property
     def num_val_batches(self) -> list:
