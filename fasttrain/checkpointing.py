@@ -543,17 +543,14 @@ def _load_gradients(model, path: Path) -> None:
             p.grad = saved.to(device=p.device, dtype=p.dtype)
 
 
-def find_latest_training_state(directory) -> Optional[Path]:
-    """The most advanced complete training state among ``directory`` and its subdirectories
-    (by optimizer updates, then epoch and step), or None. Damaged or unfinished states are
-    skipped (sizes are checked, not hashes, to keep this cheap)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
+def find_latest_training_state(*directories) -> Optional[Path]:
+    """The most advanced complete training state among ``directories`` and their subdirectories
+    (by optimizer updates, then epoch and step), or None. Damaged or unfinished states (a save's
+    staging folder, a state without its manifest or with a file missing or cut short) are skipped;
+    sizes are checked, not hashes, to keep this cheap. A complete state that a save killed between
+    its two renames left as ``.<name>.old``, with no ``<name>`` beside it, counts."""
     best, best_key = None, None
-    for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
-        if candidate.name.startswith("."):
-            continue
+    for candidate in _state_candidates(directories):
         try:
             verify_training_state(candidate, check_hashes=False)
             metadata = safe_load(candidate / _METADATA_FILE)
@@ -568,3 +565,19 @@ def find_latest_training_state(directory) -> Optional[Path]:
         if best_key is None or key > best_key:
             best, best_key = candidate, key
     return best
+
+
+def _state_candidates(directories):
+    for directory in map(Path, directories):
+        if not directory.is_dir():
+            # a state directory itself (an interrupt_save_dir) that a killed swap left aside
+            aside = directory.with_name(f".{directory.name}.old")
+            if aside.is_dir():
+                yield aside
+            continue
+        for candidate in [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]:
+            name = candidate.name
+            if not name.startswith("."):
+                yield candidate
+            elif name.endswith(".old") and not candidate.with_name(name[1 : -len(".old")]).exists():
+                yield candidate

@@ -14,7 +14,7 @@ import torch
 
 from accelerate.utils import DistributedType, set_seed
 
-from fasttrain import checkpointing, validation
+from fasttrain import auto_resume, checkpointing, validation
 from fasttrain.accelerate_state import check_accelerator
 from fasttrain.data import place_single_process, with_device_attribute
 from fasttrain.engine import create_engine
@@ -223,6 +223,8 @@ def set_up_training(
     trainer.eval_dataset = eval_dataset
     trainer.create_scheduler_fn = create_scheduler_fn
     trainer.collate_fn = collate_fn
+    # "latest" becomes the run's newest complete state, or None: a fresh start like any other
+    resume_from = auto_resume.resolve(trainer, resume_from)
     if resume_from is not None:
         reset_run_history = False
     if reset_run_history:

@@ -32,6 +32,8 @@ class TrainProgress:
     :param epoch_start_loader_iteration: the pass count of accelerate's loader at that moment.
     :param resume_position: where a resumed run continues (a ``resume.ResumePosition``), None
         once the loop has reached it.
+    :param resumed_from: the training state this run resumed from (a path as a string), None
+        for a run that started from the beginning.
     :param nonfinite_applied: an update with non-finite values was applied since the last good
         state, so no training state may be saved in this run.
     """
@@ -44,6 +46,7 @@ class TrainProgress:
     epoch_start_rng: Optional[dict] = None
     epoch_start_loader_iteration: Optional[int] = None
     resume_position: Any = None
+    resumed_from: Optional[str] = None
     nonfinite_applied: bool = False
 
     def reset(self) -> None:

@@ -18,6 +18,7 @@ augmentations running in data-loader workers see the same sequence as in an unin
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import warnings
 from dataclasses import dataclass
@@ -226,6 +227,7 @@ def begin_training(trainer, resume_from=None) -> None:
         trainer.run_history._set_epoch(metadata["current_epoch"])
     progress.run_first_epoch = metadata.get("run_first_epoch", 1)
     progress.resume_position = resume_position(metadata)
+    progress.resumed_from = os.fspath(resume_from)
     trainer.print(
         f"Resumed training state from {resume_from} (epoch {trainer.run_history.current_epoch}, "
         f"update {progress.num_updates})"

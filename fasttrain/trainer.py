@@ -381,6 +381,10 @@ class Trainer(ForwardBackwardHelper):
         rescales all gradients to a global L2 norm; both happen once per update, after the
         gradients of all micro-steps are accumulated. ``resume_from`` is a directory written by
         :meth:`save_training_state`: training continues from the exact step it was saved at.
+        ``resume_from="latest"`` continues from the newest complete state in the run's state
+        directory (a ``SaveTrainingStateCallback``'s ``save_dir``, ``interrupt_save_dir``), or
+        starts from the beginning when there is none: the same call starts a run and resumes it
+        after a restart (docs/reliability.md, "Failures at scale").
         """
         # every decision about the run is made here, once: arguments, loaders, accelerate,
         # clipping, the scheduler, the engine and its step context, the non-finite guard, the

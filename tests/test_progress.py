@@ -26,6 +26,7 @@ def _advanced() -> TrainProgress:
         epoch_start_rng={"torch": torch.get_rng_state()},
         epoch_start_loader_iteration=1,
         resume_position=ResumePosition(4, "mid_epoch", 5, {}, None, 0.0, 0, None),
+        resumed_from="states/step_4",
         nonfinite_applied=True,
     )
 
