@@ -6,8 +6,11 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import signal
+import sys
+import threading
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -16,6 +19,7 @@ from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.model_summary import summarize
 
 from fasttrain.engine import auto_engine_name
@@ -25,6 +29,7 @@ from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
     HookCaller,
+    callback_overrides,
     merge_module_callbacks,
     module_overrides,
 )
@@ -150,7 +155,9 @@ def _setup_hooks(lt, stage) -> None:
     hooks.module_hook("configure_model")
 
 
-def _teardown(lt, stage: str, failed: bool = False) -> None:
+def _teardown(lt, stage: str) -> None:
+    """The end of a run that did not raise: the teardown hooks (DataModule, callbacks, module),
+    the loggers finalized."""
     dm = lt.datamodule
     if dm is not None:
         dm.teardown(stage=stage)
@@ -158,33 +165,49 @@ def _teardown(lt, stage: str, failed: bool = False) -> None:
     lt.lightning_module._current_fx_name = None
     lt.lightning_module._metric_attributes = None
     for logger in lt.loggers:
-        logger.finalize("failed" if failed else "success")
-    lt.state.status = TrainerStatus.INTERRUPTED if failed else TrainerStatus.FINISHED
+        logger.finalize("success")
+    lt.state.status = TrainerStatus.FINISHED
 
 
-def _on_exception(lt, error: BaseException) -> None:
-    """Lightning's ``on_exception`` hooks (callbacks, then the module); the error is re-raised."""
+def _interrupt(lt, error: BaseException) -> None:
+    """Lightning's reaction to an error in a run: the callbacks' ``on_exception`` hooks, then the
+    DataModule's (a LightningModule has none), the loggers finalized as failed. The teardown
+    hooks do not run."""
     lt._progress.close()
-    if isinstance(error, KeyboardInterrupt):
-        lt.state.status = TrainerStatus.INTERRUPTED
-    lt._hooks("on_exception", error)
+    lt.state.status = TrainerStatus.INTERRUPTED
+    module = lt.lightning_module
+    previous = module._current_fx_name if module is not None else None
+    # the trainer's callbacks as they are now (a failure may come before a run resolved its hooks)
+    for callback in lt.callbacks:
+        if callback_overrides(callback, "on_exception"):
+            if module is not None:
+                module._current_fx_name = "on_exception"
+            callback.on_exception(lt, module, error)
+    if module is not None:
+        module._current_fx_name = previous
+    dm = lt.datamodule
+    if dm is not None and callable(dm.on_exception):
+        dm.on_exception(error)
+    for logger in lt.loggers:
+        logger.finalize("failed")
 
 
-def _call_and_teardown(lt, stage, run: Callable[[], Any], finish: Optional[Callable[[bool], None]] = None):
-    """``run()``'s result. When it raises, Lightning's ``on_exception`` hooks run and the error is
-    re-raised; either way ``finish(failed)`` (when given) and then the stage's teardown follow."""
-    failed = True
+def _handle_errors(lt, run: Callable[[], Any]):
+    """``run()``'s result, with Lightning's handling of an error escaping it: ``on_exception``
+    hooks (:func:`_interrupt`) and the error re-raised; a KeyboardInterrupt ends the process
+    with ``sys.exit(1)`` after Lightning's message, SIGINT ignored from then on so that a
+    second Ctrl-C cannot cut the shutdown short."""
     try:
-        result = run()
-        failed = False
+        return run()
+    except KeyboardInterrupt as error:
+        rank_zero_info("\nDetected KeyboardInterrupt, attempting graceful shutdown ...")
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _interrupt(lt, error)
+        sys.exit(1)
     except BaseException as error:
-        _on_exception(lt, error)
+        _interrupt(lt, error)
         raise
-    finally:
-        if finish is not None:
-            finish(failed)
-        _teardown(lt, stage, failed)
-    return result
 
 
 def _restore_weights(lt, ckpt_path, weights_only) -> None:
@@ -325,6 +348,10 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     if isinstance(train_dataloaders, LightningDataModule):
         datamodule, train_dataloaders = train_dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.FITTING)
+    _handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only))
+
+
+def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> None:
     module = lt.lightning_module
     _verify_fit(module)
     lt.training = True
@@ -395,13 +422,13 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
             gradient_clip_norm=clip_norm,
         )
 
-    def finish(failed: bool) -> None:
+    try:
+        train()
+    finally:
         lt.training = False
         lt._load_train_data = None
-        if not failed:
-            hooks("on_fit_end")
-
-    _call_and_teardown(lt, TrainerFn.FITTING, train, finish)
+    hooks("on_fit_end")
+    _teardown(lt, TrainerFn.FITTING)
 
 
 def _check_manual(lt) -> None:
@@ -424,6 +451,11 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, fn)
+    return _handle_errors(lt, functools.partial(_evaluate, lt, stage, dataloaders, ckpt_path, weights_only))
+
+
+def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
+    fn = lt.state.fn
     step = "test_step" if stage == "test" else "validation_step"
     if not module_overrides(lt.lightning_module, step):
         raise ValueError(f"{stage}() needs the module to define {step}()")
@@ -443,13 +475,20 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
     runner.prepare_for_evaluation(loaders[0])
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
-    return _call_and_teardown(lt, fn, lambda: run_evaluation(lt, runner, stage))
+    logged = run_evaluation(lt, runner, stage)
+    _teardown(lt, fn)
+    return logged
 
 
 def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only=None):
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
+    predictions = _handle_errors(lt, functools.partial(_predict, lt, dataloaders, ckpt_path, weights_only))
+    return None if return_predictions is False else predictions
+
+
+def _predict(lt, dataloaders, ckpt_path, weights_only) -> list:
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
@@ -459,5 +498,6 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, w
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])
-    predictions = _call_and_teardown(lt, TrainerFn.PREDICTING, lambda: run_predict(lt, runner, loaders))
-    return None if return_predictions is False else predictions
+    predictions = run_predict(lt, runner, loaders)
+    _teardown(lt, TrainerFn.PREDICTING)
+    return predictions

@@ -32,6 +32,6 @@ def run_both(action, seed=0, **trainer_kwargs):
             trainer = trainer_cls(**kwargs)
             try:
                 out[name] = action(trainer)
-            except Exception as error:  # noqa: BLE001 - the error is what the test compares
+            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - the error is what the test compares
                 out[name] = error
     return out
