@@ -89,7 +89,8 @@ def run_fit(lt, runner) -> None:
         hooks.callbacks_only("on_sanity_check_end")
         lt.sanity_checking = False
     lt.training = True
-    lt.lightning_module.train()
+    # no .train() here: as in Lightning, each submodule keeps the mode the user left it in (a
+    # frozen backbone or BatchNorm in eval mode stays so); evaluation restores the modes it found
     hooks("on_train_start")
     k = lt.accumulate_grad_batches
     max_steps = lt.max_steps
@@ -245,6 +246,12 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     lt._active_eval_results = results
     results.reset()
     lt._eval_step_name = "test_step" if testing else "validation_step"
+    fitting = lt.state.fn == "fit"
+    val_loop = lt.fit_loop.epoch_loop.val_loop
+    if fitting:
+        # Lightning's flag for "a validation ran": reset each run, set by a batch outside the
+        # sanity check (ModelCheckpoint only warns about a missing monitored value until then)
+        val_loop._has_run = False
     mode = [m.training for m in module.modules()]
     hooks.module_hook(f"on_{prefix}_model_eval")
     hooks(f"on_{prefix}_start")
@@ -271,6 +278,8 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
                     results.drain()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
                 if not sanity:
+                    if fitting:
+                        val_loop._has_run = True
                     # values logged with on_step=True in an evaluation step reach logged_metrics
                     # and the loggers per batch, at a step counting this loader's batches, as in
                     # Lightning
@@ -299,8 +308,6 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
             m.training = training
     lt.training = was_training
     lt.testing = lt.validating = False
-    if lt.state.fn == "fit":
-        lt.fit_loop.epoch_loop.val_loop._has_run = True
     return logged
 
 
