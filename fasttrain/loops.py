@@ -123,7 +123,8 @@ def run_evaluation(trainer) -> None:
     trainer.evaluation_run_start()
     trainer.callback_handler.call_event("on_evaluation_run_start", trainer)
     try:
-        eval_epoch(trainer, trainer._eval_dataloader, is_training=False)
+        # through the trainer's method, as train()'s epoch loop does: a subclass may override it
+        trainer._run_eval_epoch(trainer._eval_dataloader, is_training=False)
     except StopTrainingError as e:
         trainer._accelerator.print(e)
         trainer.callback_handler.call_event("on_stop_training_error", trainer)

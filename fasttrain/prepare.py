@@ -143,7 +143,8 @@ def check_eval_batch_size(trainer) -> None:
             len(trainer.eval_dataset), config.eval_per_device_batch_size, config.num_processes
         )
         if message is not None:
-            warnings.warn(message, UserWarning, stacklevel=4)
+            # to the train() call: through Trainer._check_eval_batch_size, set_up_training, train
+            warnings.warn(message, UserWarning, stacklevel=5)
 
 
 def step_context(trainer, base: type) -> StepContext:
@@ -237,9 +238,10 @@ def set_up_training(
         trainer._eval_dataloader = trainer.create_eval_dataloader(
             batch_size=per_device_batch_size, eval_dl_kwargs=eval_dataloader_kwargs
         )
-    prepare_run(trainer)
-    trainer.run_config = create_run_config(
-        trainer,
+    # accelerate, the run config and the evaluation check go through the trainer's methods
+    # (pytorch-accelerated's names), which a subclass may override as it could there
+    trainer._prepare_model_optimizer_and_dataloaders()
+    trainer.run_config = trainer._create_run_config(
         num_epochs=num_epochs,
         gradient_accumulation_steps=gradient_accumulation_steps,
         max_num_train_steps=max_num_train_steps,
@@ -251,7 +253,7 @@ def set_up_training(
         # a sized dataset whose loader yields nothing (drop_last); the loader of a dataset
         # without a length has no meaningful length either
         validation.dataloader_not_empty(trainer._train_dataloader, "train", per_device_batch_size)
-    check_eval_batch_size(trainer)
+    trainer._check_eval_batch_size()
     trainer._clipper = GradientClipper(
         trainer.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
     )

@@ -407,6 +407,66 @@ class Trainer(ForwardBackwardHelper):
             collate_fn=collate_fn,
             resume_from=resume_from,
         )
+        self._run_training()
+
+    def evaluate(self, dataset=None, per_device_batch_size=8, dataloader_kwargs: dict = None, collate_fn=None):
+        """Evaluate the model on ``dataset``; records ``evaluation_loss``. Resets the run
+        history."""
+        validation.positive_int("per_device_batch_size", per_device_batch_size)
+        self.eval_dataset = dataset
+        self.collate_fn = collate_fn
+        self.run_history.reset()
+        self._train_dataloader = None
+        self._eval_dataloader = self.create_eval_dataloader(
+            batch_size=per_device_batch_size, eval_dl_kwargs=dataloader_kwargs
+        )
+        self._prepare_model_optimizer_and_dataloaders()
+        self.run_config = self._create_run_config(
+            num_epochs=1,
+            gradient_accumulation_steps=1,
+            max_num_train_steps=None,
+            per_device_batch_size=per_device_batch_size,
+            gradient_clip_value=None,
+        )
+        validation.dataloader_not_empty(self._eval_dataloader, "eval", per_device_batch_size)
+        self._check_eval_batch_size()
+        prepare.setup_engine(self, Trainer)
+        self._run_evaluation()
+
+    # ------------------------------------------------------------------ the run's seams
+    # pytorch-accelerated's private names for the parts of a run. train() and evaluate() go
+    # through them, so a subclass that overrides one (or a test that patches it) changes the run
+    # as it did in the original; each is a thin entry to prepare.py or loops.py, where the work
+    # is done. Callbacks call the epoch methods too (an evaluation in the middle of a training
+    # epoch, say). docs/migrating.md lists them; pytorch-accelerated's own test suite, run in CI,
+    # guards them.
+    def _create_run_config(
+        self, per_device_batch_size, num_epochs, gradient_accumulation_steps, max_num_train_steps, gradient_clip_value
+    ) -> TrainerRunConfig:
+        """The run config of the run being set up, from the prepared loaders and accelerator."""
+        return prepare.create_run_config(
+            self,
+            per_device_batch_size=per_device_batch_size,
+            num_epochs=num_epochs,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_num_train_steps=max_num_train_steps,
+            gradient_clip_value=gradient_clip_value,
+        )
+
+    def _prepare_model_optimizer_and_dataloaders(self):
+        """A fresh accelerator prepares the model, the optimizer and (with several processes)
+        the dataloaders; a single process's loaders are placed on its device."""
+        prepare.prepare_run(self)
+
+    def _check_eval_batch_size(self):
+        """With several processes: a ``ValueError`` when the evaluation set cannot give every
+        process a batch, a warning when the last evaluation batches are uneven."""
+        prepare.check_eval_batch_size(self)
+
+    def _run_training(self):
+        """The epoch loop of :meth:`train`, after its set-up: training and evaluation epochs
+        between the run hooks, until the epochs or ``max_num_train_steps`` are done or training
+        is stopped."""
         try:
             with signals.handle_interrupts(self):
                 self.training_run_start()
@@ -419,9 +479,9 @@ class Trainer(ForwardBackwardHelper):
                             train_done = False
                             reached_max_steps = self.progress.num_updates >= self.run_config.max_num_train_steps
                         else:
-                            reached_max_steps = loops.train_epoch(self, self._train_dataloader)
+                            reached_max_steps = self._run_train_epoch(self._train_dataloader)
                         if self.eval_dataset is not None:
-                            loops.eval_epoch(self, self._eval_dataloader)
+                            self._run_eval_epoch(self._eval_dataloader)
                         self.training_run_epoch_end()
                         self.callback_handler.call_event("on_training_run_epoch_end", self)
                         self.run_history._increment_epoch()
@@ -439,38 +499,16 @@ class Trainer(ForwardBackwardHelper):
         finally:
             self._nonfinite.close()
 
-    def evaluate(self, dataset=None, per_device_batch_size=8, dataloader_kwargs: dict = None, collate_fn=None):
-        """Evaluate the model on ``dataset``; records ``evaluation_loss``. Resets the run
-        history."""
-        validation.positive_int("per_device_batch_size", per_device_batch_size)
-        self.eval_dataset = dataset
-        self.collate_fn = collate_fn
-        self.run_history.reset()
-        self._train_dataloader = None
-        self._eval_dataloader = self.create_eval_dataloader(
-            batch_size=per_device_batch_size, eval_dl_kwargs=dataloader_kwargs
-        )
-        prepare.prepare_run(self)
-        self.run_config = prepare.create_run_config(
-            self,
-            num_epochs=1,
-            gradient_accumulation_steps=1,
-            max_num_train_steps=None,
-            per_device_batch_size=per_device_batch_size,
-            gradient_clip_value=None,
-        )
-        validation.dataloader_not_empty(self._eval_dataloader, "eval", per_device_batch_size)
-        prepare.check_eval_batch_size(self)
-        prepare.setup_engine(self, Trainer)
+    def _run_evaluation(self):
+        """The whole of :meth:`evaluate` after its set-up."""
         loops.run_evaluation(self)
 
-    # ------------------------------------------------------------------ set-up seams
-    # pytorch-accelerated's names for one epoch, which its users' callbacks call (an evaluation
-    # in the middle of a training epoch, say)
     def _run_train_epoch(self, train_dl) -> bool:
+        """One training epoch over ``train_dl``; True when ``max_num_train_steps`` was reached."""
         return loops.train_epoch(self, train_dl)
 
     def _run_eval_epoch(self, valid_dl, is_training: bool = True, is_intermediate: bool = False):
+        """One evaluation epoch over ``valid_dl``."""
         loops.eval_epoch(self, valid_dl, is_training=is_training, is_intermediate=is_intermediate)
 
     def _clip_for_update(self):

@@ -84,6 +84,11 @@ def test_public_name_resolves_in_fasttrain(module_name, name, original):
 # Underscore methods that are part of the surface: the original's own methods call them, so a
 # subclass overrides them to change what the class does (or the migration guide lists them as
 # private names kept for compatibility).
+TRAINER_SEAMS = (
+    "_create_accelerator", "_create_callback_handler", "_perform_forward_and_backward_passes",
+    "_prepare_model_optimizer_and_dataloaders", "_create_run_config", "_check_eval_batch_size",
+    "_run_training", "_run_evaluation", "_run_train_epoch", "_run_eval_epoch",
+)
 EXTENSION_POINTS = {
     "LogMetricsCallback": ("_log_latest_metrics", "_get_latest_metrics"),
     "MoveModulesToDeviceCallback": ("_get_modules", "_move_modules_to_device"),
@@ -91,14 +96,8 @@ EXTENSION_POINTS = {
     "WSDCheckpointCallback": (
         "_get_export_checkpoint_path", "_get_training_state_path", "_save_pre_decay", "_save_post_decay",
     ),
-    "Trainer": (
-        "_create_accelerator", "_create_callback_handler", "_perform_forward_and_backward_passes",
-        "_run_train_epoch", "_run_eval_epoch",
-    ),
-    "TrainerWithTimmScheduler": (
-        "_create_accelerator", "_create_callback_handler", "_perform_forward_and_backward_passes",
-        "_run_train_epoch", "_run_eval_epoch",
-    ),
+    "Trainer": TRAINER_SEAMS,
+    "TrainerWithTimmScheduler": TRAINER_SEAMS,
     "ModelFreezer": ("_convert_idxs",),
     "WSDLrScheduler": ("_get_checkpoint_info",),
 }
