@@ -38,9 +38,11 @@ def _train(i, callbacks=(), engine="compiled"):
 @pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
-    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
-    yield
-    torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit = limits
+    config = torch._dynamo.config
+    # the trainers raise the limits (fasttrain.engine.recompile_limit): torch's patch puts the
+    # values back when the test ends
+    with config.patch(recompile_limit=config.recompile_limit, accumulated_recompile_limit=config.accumulated_recompile_limit):
+        yield
     torch._dynamo.reset()
 
 
@@ -71,9 +73,9 @@ def test_ten_trainers_each_compile_their_whole_update(fresh_dynamo):
 def test_without_isolation_the_limit_is_raised_per_optimizer(fresh_dynamo, monkeypatch):
     # torch before 2.12: shared frames; a limit of 2 makes the third trainer meet it unless raised
     monkeypatch.setattr(recompile_limit, "ISOLATES", False)
-    torch._dynamo.config.recompile_limit = 2
-    _many_trainers(4)
-    assert torch._dynamo.config.recompile_limit == 2 + 4
+    with torch._dynamo.config.patch(recompile_limit=2):
+        _many_trainers(4)
+        assert torch._dynamo.config.recompile_limit == 2 + 4
 
 
 def test_a_recompile_limit_hit_warns_once_and_runs_eager(fresh_dynamo):

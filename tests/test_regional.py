@@ -134,25 +134,32 @@ def test_errors_say_what_to_change():
 class _RecordWrappers:
     """Which wrapper Inductor generated for each graph it compiled: True for the C++ one."""
 
-    def __init__(self, monkeypatch):
-        from torch._inductor.graph import GraphLowering
-
+    def __init__(self):
         self.cpp_wrapper = []
-        compile_to_module = GraphLowering.compile_to_module
-        # lower every graph: a cached graph (from an earlier run on this machine) is not lowered
-        monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-        monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-
-        def recording(graph, *args, **kwargs):
-            self.cpp_wrapper.append(graph.cpp_wrapper)
-            return compile_to_module(graph, *args, **kwargs)
-
-        monkeypatch.setattr(GraphLowering, "compile_to_module", recording)
 
 
-def test_cpu_blocks_compile_with_the_cpp_wrapper_and_the_same_losses(monkeypatch, whole_model_losses):
+@pytest.fixture
+def wrappers(monkeypatch):
+    """Records the wrapper of every graph Inductor lowers while the test runs."""
+    from torch._inductor.graph import GraphLowering
+
+    recorded = _RecordWrappers()
+    compile_to_module = GraphLowering.compile_to_module
+
+    def recording(graph, *args, **kwargs):
+        recorded.cpp_wrapper.append(graph.cpp_wrapper)
+        return compile_to_module(graph, *args, **kwargs)
+
+    monkeypatch.setattr(GraphLowering, "compile_to_module", recording)
     torch._dynamo.reset()
-    wrappers = _RecordWrappers(monkeypatch)
+    # lower every graph: a cached graph (from an earlier run on this machine) is not lowered.
+    # torch's own patch restores its configuration; pytest's monkeypatch would delete these
+    # module-level config entries when undoing (pytest >= 9.2), breaking every later compile
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield recorded
+
+
+def test_cpu_blocks_compile_with_the_cpp_wrapper_and_the_same_losses(wrappers, whole_model_losses):
     losses, _ = train_losses("eager", compile_regions=True)
     # one forward and one backward graph for the three blocks, both with the C++ wrapper
     assert wrappers.cpp_wrapper == [True, True]
@@ -160,22 +167,18 @@ def test_cpu_blocks_compile_with_the_cpp_wrapper_and_the_same_losses(monkeypatch
 
 
 @pytest.mark.parametrize("compile_options", [{"options": {"cpp_wrapper": False}}, {"mode": "max-autotune-no-cudagraphs"}])
-def test_the_users_wrapper_or_mode_is_kept(monkeypatch, compile_options):
-    torch._dynamo.reset()
-    wrappers = _RecordWrappers(monkeypatch)
+def test_the_users_wrapper_or_mode_is_kept(wrappers, compile_options):
     # autotuning would benchmark GEMM choices on the CPU: time, not what this test is about
-    monkeypatch.setattr(torch._inductor.config, "max_autotune_gemm", False)
-    losses, _ = train_losses("eager", steps=2, compile_regions=True, compile_options=compile_options)
+    with torch._inductor.config.patch(max_autotune_gemm=False):
+        losses, _ = train_losses("eager", steps=2, compile_regions=True, compile_options=compile_options)
     assert wrappers.cpp_wrapper == [False, False]
     assert len(losses) == 2
 
 
 @pytest.mark.parametrize("failing", ["forward", "backward"])
-def test_falls_back_to_the_python_wrapper_where_the_cpp_one_fails(monkeypatch, whole_model_losses, failing):
+def test_falls_back_to_the_python_wrapper_where_the_cpp_one_fails(monkeypatch, wrappers, whole_model_losses, failing):
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
-    torch._dynamo.reset()
-    wrappers = _RecordWrappers(monkeypatch)
     create = CppWrapperCpu.create
     fails_at = 1 if failing == "forward" else 2
     calls = []
@@ -212,11 +215,9 @@ def test_other_backends_get_no_inductor_options():
 
 
 @pytest.mark.filterwarnings("error:compile_regions")
-def test_dynamic_shapes_with_the_cpp_wrapper_same_outputs_and_gradients_as_eager(monkeypatch):
+def test_dynamic_shapes_with_the_cpp_wrapper_same_outputs_and_gradients_as_eager(wrappers):
     # Dynamo restarts its analysis from inside the backend (e.g. to turn Python scalars into
     # tensors): that signal must reach Dynamo, not be taken for a C++ wrapper failure
-    torch._dynamo.reset()
-    wrappers = _RecordWrappers(monkeypatch)
     torch.manual_seed(0)
     eager = Stack().eval()
     model = Stack().eval()
