@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import math
 import signal
 import sys
@@ -241,6 +242,8 @@ def _choose_engine(lt, requested: str, device) -> str:
         blockers, target = ["automatic_optimization = False"], "eager"
     else:
         blockers = [h for h in UPDATE_HOOKS if module_overrides(module, h)]
+        blockers += [f"an optimizer whose step needs a closure ({type(o).__name__})"
+                     for o in lt.optimizers if _needs_closure(o)]
         if hooks.callback_methods("on_before_optimizer_step"):
             blockers.append("a callback's on_before_optimizer_step")
         target = "eager"
@@ -382,7 +385,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
         for lightning_optimizer in strategy._lightning_optimizers:
             lightning_optimizer._on_after_step = lt._manual_optimizer_stepped
     hooks = lt._hooks
-    lt._module_steps = module_overrides(module, "optimizer_step")
+    lt._module_steps = module_overrides(module, "optimizer_step") or any(map(_needs_closure, optimizers))
     lt._custom_clipping = module_overrides(module, "configure_gradient_clipping")
     lt._before_step_hooks = hooks.overridden("on_before_optimizer_step")
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
@@ -429,6 +432,16 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
         lt._load_train_data = None
     hooks("on_fit_end")
     _teardown(lt, TrainerFn.FITTING)
+
+
+def _needs_closure(optimizer) -> bool:
+    """Whether ``optimizer.step`` cannot run without a closure (LBFGS re-evaluates the loss):
+    such a fit steps through the ``optimizer_step`` hook and its closure, as Lightning always does."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_manual(lt) -> None:

@@ -162,13 +162,20 @@ class ModuleRunner(FasttrainTrainer):
             lt.strategy.backward(loss, lt.optimizers[0])
 
     def closure_step(self, batch) -> dict:
-        """A stepping batch when the module overrides ``optimizer_step``: as in Lightning, the
-        hook runs first and its closure runs the training step and backward (so closure-based
-        optimizers such as LBFGS work too). Runs eagerly."""
+        """A stepping batch when the module overrides ``optimizer_step`` or the optimizer's step
+        needs a closure (LBFGS): as in Lightning, the hook runs first and its closure runs the
+        training step and backward. Runs eagerly."""
         lt = self.lt
         result = {}
+        # an optimizer may evaluate the closure several times: each evaluation starts a window
+        # from zero gradients, as Lightning's closure clears them before each backward (the
+        # module's own zero-grad hooks, when it has them, do so in backward_step)
+        clear = self.window_start and not lt._own_zero_grad
+        optimizer = lt.optimizers[0]
 
         def closure():
+            if clear:
+                optimizer.zero_grad()
             batch_output = self.calculate_train_batch_loss(batch)
             self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output

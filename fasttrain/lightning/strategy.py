@@ -3,8 +3,8 @@ accelerate (the process group, the loss scaler) and fasttrain's trainer.
 
 ``LightningOptimizer.step`` (manual optimization, or an overridden ``optimizer_step`` that calls
 ``optimizer.step(closure=...)``) lands in :meth:`Strategy.optimizer_step`, which runs Lightning's
-sequence: the closure, ``on_before_optimizer_step``, clipping (automatic optimization only), the
-step.
+sequence: the optimizer's step with a closure that runs the given one, then
+``on_before_optimizer_step`` and clipping (automatic optimization only).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 
 def _distributed() -> bool:
@@ -108,21 +109,33 @@ class Strategy:
         return closure_loss
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """Lightning's precision plugins' step: the optimizer's ``step`` gets a closure that runs
+        ``closure`` and then ``on_before_optimizer_step`` and clipping, so an optimizer that
+        evaluates the closure several times (LBFGS) works; returns what the optimizer's ``step``
+        returns. Under fp16 the closure runs first and the scaler steps, as in Lightning's
+        ``MixedPrecision``."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        scaler = self._trainer._scaler()
+        if scaler is None:
+            def closure_then_hooks():
+                result = closure()
+                self._after_closure(optimizer)
+                return result
+
+            return optimizer.step(closure=closure_then_hooks, **kwargs)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
+        closure()
+        scaler.unscale_(optimizer)
+        self._after_closure(optimizer)
+        output = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return output
+
+    def _after_closure(self, optimizer) -> None:
         trainer = self._trainer
-        result = closure()
-        scaler = trainer._scaler()
-        if scaler is not None:
-            scaler.unscale_(optimizer)
         trainer._hooks("on_before_optimizer_step", optimizer)
-        module = trainer.lightning_module
-        if module.automatic_optimization:
+        if trainer.lightning_module.automatic_optimization:
             trainer._hooks.module_hook(
                 "configure_gradient_clipping", optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
             )
-        if scaler is not None:
-            scaler.step(optimizer, **kwargs)
-            scaler.update()
-        else:
-            optimizer.step(**kwargs)
-        return result
