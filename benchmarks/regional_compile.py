@@ -6,8 +6,8 @@ Variants: ``eager`` (no compile, the baseline process cost), ``whole`` (``torch.
 ``whole-cpp-wrapper`` (the same with Inductor's C++ wrapper), ``regional``
 (``compile_regions(model)``, blocks compiled, the rest eager: ``engine="eager"``; on the CPU its
 blocks use the C++ wrapper), ``regional-python-wrapper`` (the same with the Python wrapper) and
-``whole+regions`` (``compile_regions(model)`` then ``torch.compile(model)``: the blocks are nested
-compile regions inside one whole-model graph, as under ``engine="compiled"``).
+``whole+regions`` (``compile_regions(model)`` then ``torch.compile(model)``: the whole-model trace
+breaks at each block, which runs its own compiled graph, as under ``engine="compiled"``).
 
 Each variant runs in its own process with its own, empty Inductor cache, so none profits from
 another's compiled kernels, and with ``TORCHINDUCTOR_COMPILE_THREADS=1``, so that every C++

@@ -4,8 +4,8 @@
 
 ``Trainer(compile_regions=True)`` finds the repeated blocks (here the ``Block`` modules of
 ``Classifier.blocks``) and compiles one for all: with ``engine="eager"`` each block runs through
-one shared compiled graph; with the compiled engines, which compile the whole step, each block is
-a nested compile region that is traced and compiled once and reused by the others. Either way
+one shared compiled graph; with the compiled engines, which compile the whole step, the step's
+trace breaks at each block and the block runs that same shared graph. Either way
 compile time grows little with depth. benchmarks/regional_compile.py measures the first step
 against whole-model compilation.
 """

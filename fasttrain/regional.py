@@ -2,7 +2,7 @@
 
 A transformer is a stack of identical blocks. Compiled whole, Dynamo traces and Inductor
 optimises every block again, so compile time grows with depth. :func:`compile_regions` gives each
-chosen block a forward with two compiled forms, shared by all blocks of its class:
+chosen block a forward compiled once for all blocks of its class, and run in two ways:
 
 * called eagerly (``engine="eager"``), the block runs through ``torch.compile`` of its forward.
   Dynamo treats a built-in module's parameters as graph inputs (``inline_inbuilt_nn_modules``,
@@ -11,13 +11,21 @@ chosen block a forward with two compiled forms, shared by all blocks of its clas
   compiles with Inductor's C++ wrapper (:func:`cpp_wrapper_options`) unless the compile settings
   say otherwise, and falls back to the Python wrapper, with a warning, where that fails;
 * traced by an enclosing ``torch.compile`` (``engine="compiled"`` / ``"cudagraph"``, which
-  compile the whole step), the block is a ``torch.compiler.nested_compile_region``: Dynamo
-  traces the first block once and reuses that subgraph (``invoke_subgraph``) for the others, and
-  AOTAutograd and Inductor compile it once, inside the one graph of the step.
+  compile the whole step, or the user's own compile), the graph breaks at each block and the
+  block runs that same compiled forward. The step then is several graphs: the code before the
+  first block, each block's shared graph, the code between blocks, and what follows the last
+  (where the blocks are called in a loop, dynamo cannot resume inside it after a break and runs
+  the rest of that forward uncompiled).
 
 Either way the first step costs about one block's compile plus what surrounds the blocks, whatever
-the depth. A torch without ``torch.compiler.nested_compile_region`` inlines the blocks into an
-enclosing compile: correct, compiled whole, nothing regional.
+the depth.
+
+Why not ``torch.compiler.nested_compile_region``, which keeps the step one graph and compiles a
+block once inside it: in torch 2.13 with Inductor, blocks nested that way and followed by a
+LayerNorm (a causal transformer's final norm before its head) get wrong gradients, up to several
+times too large in the first block (exact with ``aot_eager``, right without the final norm;
+``tests/test_regional.py`` trains such a model against eager). A graph break per block costs a
+little Python per block and step and no fusion across block edges; it computes what eager does.
 
 The marked function takes the block as an argument: marking each block's bound ``forward``
 instead gave wrong losses in torch 2.13.
@@ -61,8 +69,8 @@ def _call_block(block: nn.Module, *args, **kwargs):
 
 
 def _private_copy(fn):
-    # Dynamo keys its cache (and its recompile limit, 8 entries) and nested_compile_region keys
-    # its reused subgraphs on the code object: a copy per block class keeps classes apart
+    # Dynamo keys its cache (and its recompile limit, 8 entries) on the code object: a copy per
+    # block class keeps classes apart
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -75,8 +83,15 @@ class _Region:
             compile_kwargs = {key: value for key, value in compile_kwargs.items() if key not in ("mode", "options")}
             compile_kwargs["backend"] = backend
         self.compiled = torch.compile(_private_copy(_call_block), **compile_kwargs)
-        nested = getattr(torch.compiler, "nested_compile_region", None)
-        self.nested = nested(_private_copy(_call_block)) if nested is not None else _call_block
+        # inside an enclosing compile: a graph break, then this compiled forward (an inner
+        # torch.compile would only be inlined into the enclosing trace otherwise). disable()
+        # unwraps a compiled function to its source, so it is given a caller of it.
+        compiled = self.compiled
+
+        def run_compiled_block(block, *args, **kwargs):
+            return compiled(block, *args, **kwargs)
+
+        self.outside_trace = torch.compiler.disable(run_compiled_block)
 
 
 def cpp_wrapper_options() -> dict:
@@ -165,9 +180,7 @@ class _BlockRegion:
 def _region_forward(block: nn.Module, *args, **kwargs):
     region = getattr(block, _MARK).region
     if torch.compiler.is_compiling():
-        # inside the compiled engines' trace of the whole step (an inner torch.compile would
-        # only be inlined there)
-        return region.nested(block, *args, **kwargs)
+        return region.outside_trace(block, *args, **kwargs)
     return region.compiled(block, *args, **kwargs)
 
 

@@ -123,8 +123,8 @@ class Trainer(ForwardBackwardHelper):
         (:mod:`fasttrain.checkpoint_activations`).
     :param compile_regions: compile each repeated block once instead of the whole model
         (:mod:`fasttrain.regional`): ``True`` finds the blocks, or give their classes. With
-        ``engine="eager"`` each block class is compiled once; the compiled engines trace one block
-        and reuse it as a nested compile region of the whole step. It takes ``compile_options``;
+        ``engine="eager"`` each block class is compiled once; inside the compiled engines' step the
+        graph breaks at each block, which runs that same compiled block. It takes ``compile_options``;
         on the CPU, blocks run eagerly compile with Inductor's C++ wrapper unless those name a
         ``mode``, another backend or ``options={"cpp_wrapper": ...}``.
     :param accelerator_kwargs: keyword arguments for accelerate's ``Accelerator``, for the

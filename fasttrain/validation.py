@@ -244,8 +244,8 @@ def apply_model_transforms(model, activation_checkpointing, compile_regions, com
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile_regions is None or compile_regions is False:
         return model
-    # the blocks run compiled one by one under engine="eager"; inside the compiled engines'
-    # trace of the whole step they are nested compile regions, traced and compiled once
+    # the blocks run compiled one by one, under engine="eager" and as graph breaks inside the
+    # compiled engines' trace of the whole step
     from fasttrain.engine.compiled import CompileSettings
     from fasttrain.regional import compile_regions as compile_blocks
 

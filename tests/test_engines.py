@@ -322,7 +322,9 @@ def test_compile_options_are_validated(options, match):
 
 def test_compile_settings_defaults_and_hashing():
     settings = CompileSettings.from_options({"options": {"b": 2, "a": 1}})
-    assert settings.fullgraph is True and settings.dynamic is False
+    # fullgraph not given: traced whole first, graph breaks accepted where it cannot be
+    assert settings.fullgraph is None and settings.dynamic is False
+    assert settings.kwargs()["fullgraph"] is True
     assert settings.kwargs(fullgraph=False)["fullgraph"] is False
     assert settings.kwargs()["options"] == {"a": 1, "b": 2}
     assert hash(settings) == hash(CompileSettings.from_options({"options": {"a": 1, "b": 2}}))

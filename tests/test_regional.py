@@ -1,5 +1,5 @@
-"""Regional compilation: same losses as whole-model compile with every engine, one graph (eager)
-or one reused subgraph (inside the compiled engines' trace) for all blocks."""
+"""Regional compilation: same losses as whole-model compile with every engine, one graph for all
+blocks (run eagerly, or as graph breaks inside the compiled engines' trace)."""
 
 from contextlib import nullcontext
 
@@ -8,11 +8,6 @@ import torch
 
 from fasttrain.regional import compile_regions, compiled_region_names, find_repeated_blocks
 from model_blocks import Block, Stack, train_losses
-
-
-needs_nested_regions = pytest.mark.skipif(
-    not hasattr(torch.compiler, "nested_compile_region"), reason="needs torch.compiler.nested_compile_region"
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,60 +41,64 @@ def test_eager_engine_same_losses_as_whole_model_compile_one_graph_for_all_block
     torch.testing.assert_close(regional, whole_model_losses, rtol=2e-6, atol=1e-6)
 
 
-def _invoke_subgraph_calls(graph):
-    return [n for n in graph.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+def _gelu_graphs(graphs):
+    """The graphs (FX graphs given to a backend) that compute a Block's body."""
+    return [g for g in graphs if any("gelu" in str(n.target) for n in g.graph.nodes)]
 
 
-@needs_nested_regions
 @pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
 def test_compiled_engines_same_losses_as_whole_model_compile(engine, whole_model_losses):
     from torch._inductor.compile_fx import compile_fx
 
-    calls = []
+    graphs = []
 
-    def inductor_counting_regions(gm, example_inputs):
-        calls.append(len(_invoke_subgraph_calls(gm)))
+    def inductor_recording(gm, example_inputs):
+        graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
     # on the CPU the graphed engine falls back to the compiled one (with its warning)
     falls_back = engine == "cudagraph" and not torch.cuda.is_available()
     with pytest.warns(RuntimeWarning, match="falls back to the 'compiled'") if falls_back else nullcontext():
         regional, trainer = train_losses(engine, compile_regions=[Block],
-                                         compile_options={"backend": inductor_counting_regions})
+                                         compile_options={"backend": inductor_recording})
     assert compiled_region_names(trainer.model) == ["blocks.0", "blocks.1", "blocks.2"]
-    # the step's forward graph calls the blocks as one nested region each
-    assert max(calls) == 3
+    assert trainer.active_engine == "compiled"
+    # the step breaks at each block and the three blocks share one compiled graph (plus the
+    # last, smaller batch's)
+    assert len(_gelu_graphs(graphs)) == 1
     torch.testing.assert_close(regional, whole_model_losses, rtol=2e-6, atol=1e-6)
 
 
-def _compile_recording(model, x):
-    """``torch.compile(model)(x)`` with a backend that keeps the FX graph Dynamo traced."""
+def test_inside_a_whole_model_compile_each_block_is_a_graph_break_to_one_shared_graph():
+    torch.manual_seed(0)
+    model = Stack(blocks=4).eval()  # no dropout: eager and compiled compare
+    x = torch.randn(2, 4)
+    expected = model(x)
+    expected.sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compile_regions(model)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    with torch.no_grad():
-        out = torch.compile(model, backend=backend, fullgraph=True)(x)
-    assert len(graphs) == 1
-    return out, graphs[0]
+    torch._dynamo.utils.counters.clear()
+    out = torch.compile(model, backend=backend)(x)
+    out.sum().backward()
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    assert breaks >= 1 and all("disable" in reason for reason in torch._dynamo.utils.counters["graph_break"])
+    # the blocks ran their own compile (Inductor), not the enclosing trace's backend
+    assert _gelu_graphs(graphs) == []
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    for grad, expected_grad in zip((p.grad for p in model.parameters()), expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
 
 
-@needs_nested_regions
-def test_inside_a_whole_model_compile_the_blocks_are_one_reused_subgraph():
-    torch.manual_seed(0)
-    model = Stack(blocks=4).eval()
-    x = torch.randn(2, 4)
-    expected = model(x)
-    compile_regions(model)
-    out, graph = _compile_recording(model, x)
-    calls = _invoke_subgraph_calls(graph)
-    assert len(calls) == 4
-    # every call runs the subgraph traced for the first block...
-    assert len({call.args[0].target for call in calls}) == 1
-    # ...with its own block's parameters
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+def test_regions_with_fullgraph_true_in_a_compiled_engine_are_refused():
+    with pytest.raises(ValueError, match="fullgraph.*cannot hold with compile_regions"):
+        train_losses("compiled", steps=1, compile_regions=True, compile_options={"fullgraph": True})
 
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
@@ -232,3 +231,20 @@ def test_dynamic_shapes_with_the_cpp_wrapper_same_outputs_and_gradients_as_eager
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(inputs[0].grad, inputs[1].grad)
     assert wrappers.cpp_wrapper and all(wrappers.cpp_wrapper)
+
+
+def _max_relative_difference(weights, expected):
+    return max(((weights[name] - value).abs().max() / value.abs().max()).item() for name, value in expected.items())
+
+
+def test_compiled_engine_regions_of_a_causal_lm_with_a_final_norm_train_as_eager():
+    # Four causal blocks, then a LayerNorm, then the head: inside one torch.compile, blocks as
+    # nested compile regions gave wrong first gradients with Inductor (torch 2.13, the CPU), up to
+    # 6x in block 0, and weights off by 5e-3 relative after a few updates
+    from model_blocks import CausalBlock, causal_lm_weights
+
+    eager, _ = causal_lm_weights("eager")
+    regional, trainer = causal_lm_weights("compiled", compile_regions=True)
+    assert compiled_region_names(trainer.model) == [f"blocks.{i}" for i in range(4)]
+    assert trainer.active_engine == "compiled"
+    assert _max_relative_difference(regional, eager) < 1e-4

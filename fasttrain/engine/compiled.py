@@ -51,6 +51,7 @@ from fasttrain.engine.eager import EagerEngine
 from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
 from fasttrain.engine import recompile_limit
 from fasttrain.engine.snapshot import StepSnapshot
+from fasttrain.regional import compiled_region_names
 
 COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
@@ -60,12 +61,14 @@ class CompileSettings:
     """Validated ``Trainer(compile_options=...)``.
 
     ``fullgraph`` applies to the forward hooks (the optimizer update is always compiled with
-    graph breaks allowed); ``dynamic`` defaults to ``False`` so that shapes are static.
+    graph breaks allowed): None (not given) traces each whole and accepts graph breaks where it
+    cannot (docs/engines.md, *Fallbacks*), True insists on one graph, False accepts breaks from
+    the start. ``dynamic`` defaults to ``False`` so that shapes are static.
     """
 
     backend: object = "inductor"
     mode: Optional[str] = None
-    fullgraph: bool = True
+    fullgraph: Optional[bool] = None
     dynamic: Optional[bool] = False
     options: Optional[tuple] = None  # inductor options as sorted (key, value) items
 
@@ -94,7 +97,7 @@ class CompileSettings:
     def kwargs(self, fullgraph: Optional[bool] = None) -> dict:
         kwargs = {
             "backend": self.backend,
-            "fullgraph": self.fullgraph if fullgraph is None else fullgraph,
+            "fullgraph": self.fullgraph is not False if fullgraph is None else fullgraph,
             "dynamic": self.dynamic,
         }
         if self.mode is not None:
@@ -255,6 +258,8 @@ class CompiledEngine(StepEngine):
                 self.settings = dataclasses.replace(self.settings, fullgraph=False)
                 # shard shapes differ between processes: no graph from another's cache
                 separate_compile_cache_per_process()
+            elif compiled_region_names(trainer.model):
+                self.settings = _settings_with_regions(self.settings)
             self._functions = compiled_functions(trainer, self.settings)
         recompile_limit.install()
         self._hits_seen = recompile_limit.hit_count()
@@ -398,7 +403,7 @@ class CompiledEngine(StepEngine):
             except Exception as error:  # noqa: BLE001
                 # AOTAutograd compiles a new shape's backward on its first call, before it runs:
                 # with the whole forward in one graph, nothing was accumulated yet
-                if _is_control_flow(error) or not self.settings.fullgraph:
+                if _is_control_flow(error) or self.settings.fullgraph is False:
                     raise
                 raise _ForwardFailed(error) from error
         if update:
@@ -477,6 +482,19 @@ class CompiledEngine(StepEngine):
         if recompile_limit.hit_count() != self._hits_seen:
             self._limit_hit(training=False)
         return batch_output
+
+
+def _settings_with_regions(settings: CompileSettings) -> CompileSettings:
+    # compile_regions blocks are graph breaks inside the step's trace (fasttrain/regional.py says
+    # why they are not nested regions of one graph): the forward is several graphs by design
+    if settings.fullgraph:
+        raise ValueError(
+            "compile_options={'fullgraph': True} cannot hold with compile_regions: inside the "
+            "compiled engines each compiled block is a graph break (blocks nested in the step's "
+            "graph get wrong gradients from torch 2.13's Inductor). Drop 'fullgraph' to compile "
+            "the blocks on their own, or drop compile_regions to compile the whole step as one graph."
+        )
+    return dataclasses.replace(settings, fullgraph=False)
 
 
 class _ForwardFailed(Exception):
