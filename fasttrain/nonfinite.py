@@ -15,7 +15,7 @@
   copy their parameters and state before the step and put the copy back where the flag is
   raised (:mod:`fasttrain.engine.masked_step`): no synchronisation either, and the graphed engine
   captures it; the very first update of a run, which creates the optimizer state, is checked on
-  the host. Other optimizers (and everything on the CPU, where reading the flag costs nothing)
+  the host (SGD without momentum creates none and is masked from its first update). Other optimizers (and everything on the CPU, where reading the flag costs nothing)
   read the flag on the host: one synchronisation per update on a GPU.
 * ``"ignore"``: no checks; non-finite values flow into the weights.
 
@@ -86,6 +86,9 @@ class NonFiniteGuard:
             if self.checks_gradients and not self.device_skip
             else None
         )
+        #: whether the last update's check read the flag on the host (no masked skip for it):
+        #: such an update cannot be captured in a CUDA graph
+        self.last_update_read_host = False
         if self._masked is not None:
             self.allow_update = self._masked_or_host_check
         elif self.checks_gradients and not self.device_skip:
@@ -103,11 +106,16 @@ class NonFiniteGuard:
         # host-only: the state exists after the first applied update; until then the step
         # creates it, which a copy cannot undo
         masked.armed = masked.ready()
-        return True if masked.armed else self._host_check()
+        if masked.armed:
+            self.last_update_read_host = False
+            return True
+        return self._host_check()
 
     def _host_check(self) -> bool:
         if self.found_inf is None:  # no gradients this update
+            self.last_update_read_host = False
             return True
+        self.last_update_read_host = True
         # SYNC(update): a non-fused optimizer cannot skip an update on the device, so the host reads the
         # flag once per update; fused optimizers skip inside their kernel instead
         return self.found_inf.item() == 0.0

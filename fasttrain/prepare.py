@@ -175,6 +175,7 @@ def step_context(trainer, base: type) -> StepContext:
         step_in_epoch=lambda: trainer.progress.step_in_epoch,
         train_batches=train_batches,
         mutated_flags=trainer._update_clip.mutated_flags,
+        update_read_host=lambda: trainer._nonfinite.last_update_read_host,
     )
 
 

@@ -84,7 +84,7 @@ class HostGraphEngine(CudaGraphEngine):
     def _capture(self, body):
         trainer = self.trainer
         rings = [r for r in (self._train_ring, self._eval_ring) if r is not None]
-        extra = [t for r in rings for t in (r.losses.buffer, r.aux)]
+        extra = [t for r in rings for t in (r.losses.buffer, r.aux)] + list(self.ctx.mutated_flags())
         snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=extra)
         try:
             with _host_reads_raise():

@@ -102,6 +102,44 @@ def test_the_first_update_is_checked_on_the_host_until_the_state_exists(device_l
     assert not optimizer.state
 
 
+def test_sgd_without_momentum_keeps_no_state_and_is_masked_from_the_first_update(device_like, sync_counter):
+    # plain SGD never creates optimizer state: waiting for it would check every update on the host
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NonFiniteGuard("skip", optimizer)
+    clipper = GradientClipper(model.parameters())
+    for poison in (True, False, True):
+        _backward(model, poison=poison)
+        before = [p.detach().clone() for p in model.parameters()]
+        reads = sync_counter["n"]
+        guard.clip(clipper)
+        assert guard.allow_update() is True and guard._masked.armed
+        optimizer.step()
+        assert sync_counter["n"] == reads
+        changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+        assert changed == [not poison] * 2
+    assert not optimizer.state
+    assert guard.pending_skips.tolist() == [2.0]
+    guard.close()
+
+
+def test_adam_whose_step_counters_went_back_to_the_host_is_checked_on_the_host():
+    # after a fallback to eager, Adam's step counters are host tensors again (capturable=False):
+    # the armed hooks would read the device flag once per parameter to undo them
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, capturable=True)
+    flag = torch.zeros(1, device="meta")  # any device but the CPU; nothing is computed on it
+    masked = masked_step.masked_step_for(optimizer, flag)
+    assert masked is not None
+    _backward(model)
+    for p in model.parameters():
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
+    assert masked.ready()
+    optimizer.param_groups[0]["capturable"] = False  # what TensorHyperparams.restore_floats does
+    assert not masked.ready()
+    assert masked_step.masked_step_for(optimizer, flag) is None
+
+
 def test_fused_and_other_optimizers_are_not_masked(device_like):
     model = torch.nn.Linear(4, 2)
     assert NonFiniteGuard("skip", torch.optim.RMSprop(model.parameters()))._masked is None
@@ -122,9 +160,13 @@ def _poisoned_vectors():
     return TensorDataset(x, y)
 
 
-def test_the_graphed_engine_captures_the_masked_skip(device_like):
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_graphed_engine_captures_the_masked_skip(device_like, optimizer):
     case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=1)
     case.data = _poisoned_vectors
+    if optimizer == "sgd":  # no momentum: no optimizer state ever, ready from the first update
+        case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+        case.train_kwargs["create_scheduler_fn"] = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eager = run(case, "eager", AOT, eval_dataset=None)
@@ -141,3 +183,24 @@ def test_the_graphed_engine_captures_the_masked_skip(device_like):
     for key in eager.state:
         torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
         assert torch.isfinite(graphed.state[key]).all()
+
+
+def test_capture_waits_until_the_masked_skip_is_armed(device_like):
+    # the first two updates are not finite: skipped on the host (no optimizer state exists yet
+    # for the mask to restore), so capturing them would capture a host read
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=2)
+    x, y = case.data().tensors
+    x = x.clone()
+    x[0, 1] = x[17, 3] = float("inf")  # batches 0 and 2: the first two updates (accumulation 2)
+    case.data = lambda: TensorDataset(x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", AOT, eval_dataset=None)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert engine._train_graphs[True].graph.replays > 0
+    assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 4  # two per epoch
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)

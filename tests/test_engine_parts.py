@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
-from fasttrain.engine.hyperparams import TensorHyperparams
+from fasttrain.engine.hyperparams import TensorHyperparams, settings_advice, tensor_fields
 from fasttrain.engine.snapshot import ReferenceSnapshot, StepSnapshot
 from fasttrain.schedulers import CosineLrScheduler
 from fasttrain.step_metrics import StepMetricsBuffer
@@ -90,6 +90,26 @@ def test_optimizers_without_tensor_lr_are_left_alone():
     assert not hparams.apply()
     assert opt.param_groups[0]["lr"] == 0.1
     hparams.sync()  # nothing held: a no-op
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_fused_adam_keeps_float_betas_and_a_tensor_lr(opt_cls):
+    # the fused kernel takes betas as floats only: tensors there are read back every update
+    fused = opt_cls(_params(), lr=0.1, betas=(0.8, 0.95), fused=True)
+    assert tensor_fields(fused, fused.param_groups[0]) == ("lr",)
+    hparams = TensorHyperparams(fused, capturable=True)
+    assert hparams.apply()
+    group = fused.param_groups[0]
+    assert isinstance(group["lr"], torch.Tensor) and group["betas"] == (0.8, 0.95)
+    assert all(type(b) is float for b in group["betas"])
+    assert not group.get("capturable")  # fused keeps its step counter on the device anyway
+    # a scheduler changing them is reported, with what to do
+    group["betas"] = (0.85, 0.95)
+    changes = hparams.changed_settings()
+    assert changes == ["param_groups[0]['betas']: (0.8, 0.95) -> (0.85, 0.95)"]
+    assert "cycle_momentum=False" in settings_advice(changes) and "fused=False" in settings_advice(changes)
+    plain = opt_cls(_params(), lr=0.1)
+    assert tensor_fields(plain, plain.param_groups[0]) == ("lr", "betas")
 
 
 # ----------------------------------------------------------------------------- snapshots

@@ -170,6 +170,46 @@ def test_a_per_step_item_in_user_code_is_counted_as_the_users(sync_counter):
     assert flushes.flushes == quiet_flushes.flushes
 
 
+class StepHostReads:
+    """Counts the host reads of each optimizer step, C++ argument conversions included (a 0-dim
+    tensor passed where a kernel takes a float), which the Python wrappers above cannot see."""
+
+    def __init__(self, optimizer):
+        from host_reads import HostReads
+
+        self.per_step = []
+        self._mode = None
+
+        def before(opt, args, kwargs):
+            self._mode = HostReads()
+            self._mode.__enter__()
+
+        def after(opt, args, kwargs):
+            self._mode.__exit__(None, None, None)
+            self.per_step.append(self._mode.reads)
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_a_fused_optimizer_steps_without_host_reads_in_the_compiled_engine(opt_cls):
+    """``fused=True`` (the usual choice on GPUs) takes its hyperparameters from the groups the
+    compiled engine holds: a tensor where the kernel wants a float would be read back every
+    update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = opt_cls(model.parameters(), lr=0.01, fused=True)
+    reads = StepHostReads(optimizer)
+    trainer = Trainer(model, nn.MSELoss(), optimizer, engine="compiled", compile_options={"backend": "aot_eager"},
+                      callbacks=())
+    trainer.train(train_dataset=dataset(32, 0), num_epochs=1, per_device_batch_size=4,
+                  create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=0),
+                  train_dataloader_kwargs={"num_workers": 0})
+    assert trainer._engine.active_engine == "compiled"
+    assert reads.per_step == [0] * 8
+
+
 FLUSH_READ_LINE = next(
     n for n, line in enumerate(open(os.path.join(LIBRARY_DIRS[0], "step_metrics.py")), 1)
     if "host = packed.tolist()" in line

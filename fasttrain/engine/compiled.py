@@ -48,7 +48,7 @@ from fasttrain.errors import StopTrainingError
 from fasttrain.sharding import is_fsdp2
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.eager import EagerEngine
-from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer
+from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer, settings_advice
 from fasttrain.engine import recompile_limit
 from fasttrain.engine.snapshot import StepSnapshot
 from fasttrain.regional import compiled_region_names
@@ -460,9 +460,7 @@ class CompiledEngine(StepEngine):
         self._warned_settings = True
         warnings.warn(
             f"fasttrain: the scheduler changes {changes[0]} (and maybe more) between updates; each "
-            "new value recompiles the optimizer step. Keep it constant (e.g. OneCycleLR("
-            "cycle_momentum=False) with SGD); the learning rate and Adam's betas are held as "
-            "tensors and may change freely.",
+            f"new value recompiles the optimizer step. {settings_advice(changes)}.",
             RuntimeWarning,
             stacklevel=5,
         )

@@ -51,6 +51,8 @@ class StepContext:
     :param train_batches: the number of batches of a training epoch (None when unknown).
     :param mutated_flags: the device flags the clipping kernels raise in place, restored with
         the rest of the step when a failed step is undone.
+    :param update_read_host: True when the last optimizer update read a device value on the host
+        (``nonfinite="skip"`` before its masked skip is armed): such an update cannot be captured.
     """
 
     trainer: Any
@@ -64,6 +66,7 @@ class StepContext:
     step_in_epoch: Callable[[], int] = lambda: 0
     train_batches: Callable[[], Optional[int]] = lambda: None
     mutated_flags: Callable[[], tuple] = lambda: ()
+    update_read_host: Callable[[], bool] = lambda: False
 
     def overrides(self, hook: str) -> bool:
         """True when the trainer's class overrides the default hook ``hook``."""

@@ -106,6 +106,8 @@ class CudaGraphEngine(CompiledEngine):
         self._eval_warm = Counter()
         self._warm_steps = 0
         self._warm_updates = 0
+        #: warm updates that read nothing on the host (the masked skip armed, or no check)
+        self._sync_free_updates = 0
         self._off_graph_shapes = set()
         self._eval_off_graph_shapes = set()
         self._stream = None
@@ -223,9 +225,13 @@ class CudaGraphEngine(CompiledEngine):
         # The update graph waits for a second warm update: the first creates the optimizer
         # state and may take another path through the hooks (nonfinite="skip" checks it on the
         # host until the state exists), so the second is the first to compile what is captured.
+        # An update is captured only after one ran without a host read: updates whose gradients
+        # were not finite before the masked skip could arm (no optimizer state yet) were checked
+        # on the host, and a capture of that check would fail and end capturing for good.
         return (
             self._warm_steps >= MIN_WARMUP_STEPS
             and self._warm_updates >= (WARMUP_UPDATES if update else 1)
+            and (not update or self._sync_free_updates >= 1)
             and self._warm[signature] >= WARMUP_STEPS_PER_SHAPE
             and not self._is_last_batch()  # the last batch may be partial: never capture it
         )
@@ -239,6 +245,7 @@ class CudaGraphEngine(CompiledEngine):
             self._warm[signature] += 1
             self._warm_steps += 1
             self._warm_updates += int(update)
+            self._sync_free_updates += int(update and not self.ctx.update_read_host())
             if update and not self._own_zero_grad:
                 self._check_gradients_kept()
         return batch_output
@@ -401,7 +408,7 @@ class CudaGraphEngine(CompiledEngine):
         self._graphed_model = None
         self._static = None
         self._warm.clear()
-        self._warm_steps = self._warm_updates = 0
+        self._warm_steps = self._warm_updates = self._sync_free_updates = 0
 
     # ------------------------------------------------------------------ CUDA specifics
     # Kept in these three methods so that the tests can run the engine's logic on the CPU with

@@ -6,6 +6,12 @@ keep replaying the learning rate it was captured with. Holding the learning rate
 betas, which ``OneCycleLR`` cycles by default) as 0-dim tensors on the parameters' device turns
 them into graph inputs that are overwritten in place.
 
+Fused Adam/AdamW (``fused=True``) is the exception for the betas: its kernel takes them as
+floats only, so tensor betas would be read back to the host twice per update. There the betas
+stay floats (:func:`tensor_fields` decides, per group) and a scheduler that changes them is
+warned about, as for any other setting compiled in as a constant; the learning rate may still be
+a tensor (the fused kernel has an overload for it).
+
 Schedulers may still assign floats (torch's own schedulers before 2.2, user code): after each
 scheduler step :meth:`TensorHyperparams.sync` copies such a value into the tensor and puts the
 tensor back, so the compiled step and the captured graph see the new value. Everything here runs
@@ -23,6 +29,31 @@ TENSOR_LR_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _TENSOR_BETAS_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 #: optimizers that can be captured in a CUDA graph (``capturable`` state, no host reads)
 CAPTURABLE_OPTIMIZERS = TENSOR_LR_OPTIMIZERS
+
+
+def tensor_fields(optimizer, group: dict) -> Tuple[str, ...]:
+    """The settings of ``group`` that :class:`TensorHyperparams` holds as device tensors: the
+    learning rate of SGD/Adam/AdamW, and the betas of Adam/AdamW unless the group is fused
+    (the fused kernel reads betas as floats; a tensor there is a host read per update)."""
+    if not isinstance(optimizer, TENSOR_LR_OPTIMIZERS):
+        return ()
+    if isinstance(optimizer, _TENSOR_BETAS_OPTIMIZERS) and not group.get("fused"):
+        return ("lr", "betas")
+    return ("lr",)
+
+
+def settings_advice(changes: List[str]) -> str:
+    """What to do about the settings a scheduler changes that are compiled in as constants."""
+    if any("['betas']" in change for change in changes):
+        return (
+            "fused Adam/AdamW takes betas as floats (a tensor would be read back every update), so "
+            "each new value of the betas recompiles the step: use cycle_momentum=False in the "
+            "scheduler, or fused=False (whose betas are held as tensors and may change freely)"
+        )
+    return (
+        "Keep it constant (e.g. OneCycleLR(cycle_momentum=False) with SGD); the learning rate "
+        "and Adam's betas (not fused) are held as tensors and may change freely"
+    )
 
 
 def inner_optimizer(optimizer):
@@ -81,11 +112,11 @@ class TensorHyperparams:
         if not self.supported:
             return False
         opt = self.optimizer
-        tensor_betas = isinstance(opt, _TENSOR_BETAS_OPTIMIZERS)
         self._lr, self._betas = [], []
         for group in opt.param_groups:
             device = _group_device(group)
             self._lr.append(self._as_tensor(group, "lr", device))
+            tensor_betas = "betas" in tensor_fields(opt, group)
             if tensor_betas:
                 b1, b2 = group["betas"]
                 betas = (self._held(b1, device), self._held(b2, device))
@@ -98,7 +129,7 @@ class TensorHyperparams:
         self._groups = opt.param_groups
         self._num_groups = len(opt.param_groups)
         self._state = opt.state
-        self._watched = [self._watched_values(g) for g in opt.param_groups]
+        self._watched = [self._watched_values(g, b) for g, b in zip(opt.param_groups, self._betas)]
         return True
 
     def _as_tensor(self, group: dict, key: str, device: torch.device) -> torch.Tensor:
@@ -136,11 +167,11 @@ class TensorHyperparams:
             if state and isinstance(state.get("step"), torch.Tensor) and state["step"].device != p.device:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
-    def _watched_values(self, group: dict) -> Dict[str, object]:
+    def _watched_values(self, group: dict, betas) -> Dict[str, object]:
         # The float/bool settings the step reads that are not held as tensors: a change in one of
         # them recompiles a compiled step, and a captured graph would ignore it.
         skip = {"lr", "params", "param_names"}
-        if self._betas and self._betas[0] is not None:
+        if betas is not None:
             skip.add("betas")
         return {k: group.get(k) for k in self.optimizer.defaults if k not in skip}
 
@@ -191,7 +222,7 @@ class TensorHyperparams:
     def accept_changes(self) -> None:
         """Take the current settings as the new reference (after a warning was given)."""
         if self._groups is not None:
-            self._watched = [self._watched_values(g) for g in self._groups]
+            self._watched = [self._watched_values(g, b) for g, b in zip(self._groups, self._betas)]
 
     # ------------------------------------------------------------------ teardown
     def restore_floats(self) -> None:

@@ -37,6 +37,14 @@ def maskable(optimizer) -> bool:
     return not any(group.get("fused") or group.get("differentiable") for group in optimizer.param_groups)
 
 
+def keeps_state(optimizer, group: dict) -> bool:
+    """Whether the step of ``group`` creates per-parameter state: Adam/AdamW always, SGD only
+    with momentum (its buffer); plain SGD has nothing to create, so nothing to wait for."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return group.get("momentum", 0) != 0
+    return True
+
+
 class MaskedStep:
     """Hooks on ``optimizer`` that mask each step by ``found_inf`` (fp32, one element).
 
@@ -59,9 +67,21 @@ class MaskedStep:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def ready(self) -> bool:
-        """Every parameter with a gradient has its optimizer state (host-only dict look-ups)."""
+        """Every parameter with a gradient has the optimizer state its step keeps, if it keeps
+        any (host-only dict look-ups): SGD without momentum keeps none, so it is ready at once.
+        Checked before every update, so an optimizer that stops qualifying is checked on the host."""
+        if not counters_on_device(self.optimizer, self.found_inf.device):
+            # an engine fell back to eager and put Adam's step counters back on the host
+            # (capturable=False): undoing them would read the flag once per parameter
+            return False
         state = self.optimizer.state
-        return all(state.get(p) for p in self._params())
+        return all(
+            state.get(p)
+            for group in self.optimizer.param_groups
+            if keeps_state(self.optimizer, group)
+            for p in group["params"]
+            if p.grad is not None
+        )
 
     def _before(self, optimizer, args, kwargs) -> None:
         if not self.armed:
@@ -70,7 +90,7 @@ class MaskedStep:
         tensors = []
         for p in self._params():
             tensors.append(p)
-            tensors.extend(v for v in state[p].values() if isinstance(v, torch.Tensor))
+            tensors.extend(v for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
         with torch.no_grad():
             self._copies = [t.detach().clone() for t in tensors]
         self._tensors = tensors
@@ -103,7 +123,14 @@ def masked_step_for(optimizer, found_inf: Optional[torch.Tensor]) -> Optional[Ma
     ``capturable=True``, which the compiled and graphed engines set on CUDA)."""
     if found_inf is None or not maskable(optimizer) or host_read_is_free(found_inf.device):
         return None
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and found_inf.device.type != "cpu":
-        if not all(group.get("capturable") for group in optimizer.param_groups):
-            return None  # a host step counter needs the flag on the host anyway: check it there
+    if not counters_on_device(optimizer, found_inf.device):
+        return None  # a host step counter needs the flag on the host anyway: check it there
     return MaskedStep(optimizer, found_inf)
+
+
+def counters_on_device(optimizer, device: torch.device) -> bool:
+    """Whether the optimizer's step counters live on the flag's ``device`` (SGD has none;
+    Adam/AdamW keep them there with ``capturable=True``), so the masked copy reads nothing."""
+    if device.type == "cpu" or not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return True
+    return all(group.get("capturable") for group in optimizer.param_groups)

@@ -1,0 +1,141 @@
+"""The CUDA side of the second readiness pass (docs/engines.md, "What changed"): each defect's
+decision is tested on the CPU next to the code it concerns; here the GPU checks that the step
+really reads nothing on the host (``torch.cuda.set_sync_debug_mode``) and keeps its memory.
+
+Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from fasttrain import Trainer
+from fasttrain.engine.eager import EagerEngine
+
+from engine_cases import fasttrain_warnings, mlp_case, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("exact_cuda"),
+]
+
+
+@contextlib.contextmanager
+def sync_mode(mode):
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+class SyncsPerUpdate(Trainer):
+    """Counts the synchronisations of each ``optimizer_step`` (the non-finite check included) as
+    ``set_sync_debug_mode("warn")`` reports them. The hook runs outside dynamo (the compiled
+    engine's update graph-breaks around it), so the count is taken on every update."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.syncs = []
+
+    @torch.compiler.disable
+    def optimizer_step(self):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with sync_mode("warn"):
+                super().optimizer_step()
+        self.syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+
+
+def _runs_clean(case, engine):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(case, engine, {"backend": "inductor"}, device="cuda", eval_dataset=None)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    return result
+
+
+# defect 1 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_fused_adam_steps_without_a_sync_in_the_compiled_engine(opt_cls):
+    case = mlp_case(trainer_cls=SyncsPerUpdate, epochs=1, create_scheduler_fn=None)
+    case.optimizer = lambda m: opt_cls(m.parameters(), lr=1e-3, fused=True)
+    result = _runs_clean(case, "compiled")
+    trainer = result.trainer
+    assert trainer._engine.active_engine == "compiled"
+    group = trainer.optimizer.param_groups[0]
+    assert isinstance(group["lr"], torch.Tensor) and all(type(b) is float for b in group["betas"])
+    assert trainer.syncs and set(trainer.syncs) == {0}
+
+
+# defect 3 -------------------------------------------------------------------------------------
+def _poisoned(case, rows):
+    x, y = case.data().tensors
+    x = x.clone()
+    for row in rows:
+        x[row, 1] = float("inf")
+    return lambda: TensorDataset(x, y)
+
+
+def test_plain_sgd_skip_is_captured_without_a_sync():
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=2, create_scheduler_fn=None)
+    case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+    case.data = _poisoned(case, [58])
+    eager = run(case, "eager", device="cuda", eval_dataset=None)
+    graphed = _runs_clean(case, "cudagraph")
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 2
+    case.trainer_cls = functools.partial(SyncsPerUpdate, nonfinite="skip")
+    compiled = _runs_clean(case, "compiled")
+    assert set(compiled.trainer.syncs) == {0}  # masked from the first update: no host check
+
+
+# defect 6 -------------------------------------------------------------------------------------
+class FallBackAfter(SyncsPerUpdate):
+    """Falls back to the eager engine after ``updates`` compiled updates (as a graph break in a
+    later-traced shape or the recompile limit would)."""
+
+    updates = 3
+
+    @torch.compiler.disable
+    def optimizer_step(self):
+        super().optimizer_step()
+        engine = self._engine
+        if len(self.syncs) == self.updates and engine.active_engine == "compiled":
+            engine._fall_back_train(None, "test", EagerEngine, warn=False, redo=False)
+
+
+def test_after_a_fallback_to_eager_the_skip_reads_the_host_once_per_update():
+    case = mlp_case(trainer_cls=functools.partial(FallBackAfter, nonfinite="skip"), epochs=2,
+                    create_scheduler_fn=None)
+    case.optimizer = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)
+    result = run(case, "compiled", {"backend": "inductor"}, device="cuda", eval_dataset=None)
+    trainer = result.trainer
+    assert trainer._engine.active_engine == "eager"
+    assert trainer.optimizer.param_groups[0]["capturable"] is False
+    # the first update is checked on the host (no state yet), the next two are masked, and after
+    # the fallback each is checked on the host once (not once per parameter's step counter)
+    assert trainer.syncs[:3] == [1, 0, 0]
+    assert set(trainer.syncs[3:]) == {1}
+
+
+# defect 9 -------------------------------------------------------------------------------------
+def test_capture_waits_for_the_armed_skip_after_non_finite_warm_updates():
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=2)
+    case.data = _poisoned(case, [0, 17])  # the first two updates
+    eager = run(case, "eager", device="cuda", eval_dataset=None)
+    graphed = _runs_clean(case, "cudagraph")
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 4
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
