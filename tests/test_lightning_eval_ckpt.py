@@ -205,23 +205,24 @@ class _StopAfter(L.Callback):
             trainer.should_stop = True
 
 
-def test_mid_epoch_checkpoint_resumes_at_the_next_batch(tmp_path):
+def test_mid_epoch_checkpoint_resumes_like_lightning(tmp_path):
     """A checkpoint written by ModelCheckpoint(every_n_train_steps=4) in the middle of an epoch of
-    6 batches resumes at batch 5 of that epoch: the same weights as an uninterrupted run."""
-    reference, first = _same_initial_weights()
-    Trainer(max_epochs=2, **QUIET).fit(reference, _in_order())
-
+    6 batches resumes at batch index 4 of that epoch on a fresh iterator of the loader, as
+    Lightning resumes it: both trainers end with the same weights and step count."""
+    _, first = _same_initial_weights()
     every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
     Trainer(max_epochs=2, callbacks=[every], enable_progress_bar=False, enable_model_summary=False,
             logger=False).fit(first, _in_order())
     path = tmp_path / "step=4.ckpt"
     assert torch.load(path, weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"][
         "processed"] == 4
-    resumed = ScheduledClassifier()
-    trainer = Trainer(max_epochs=2, **QUIET)
-    trainer.fit(resumed, _in_order(), ckpt_path=path)
-    assert trainer.global_step == 12
-    assert_same_weights(reference, resumed)
+    resumed = {}
+    for trainer_cls in (L.Trainer, Trainer):
+        module = resumed[trainer_cls] = ScheduledClassifier()
+        trainer = trainer_cls(max_epochs=2, **QUIET)
+        trainer.fit(module, _in_order(), ckpt_path=path)
+        assert trainer.global_step == 12
+    assert_same_weights(resumed[L.Trainer], resumed[Trainer])
 
 
 def test_default_arguments_write_the_same_files_as_lightning(tmp_path):

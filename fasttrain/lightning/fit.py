@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.model_summary import summarize
 
 from fasttrain.engine import auto_engine_name
@@ -324,19 +325,24 @@ def _load_val_data(lt, given) -> None:
 
 def _load_data(lt, val_dataloaders) -> None:
     """The dataloaders in Lightning's order: when a sanity check will run, the validation loaders
-    first (it requests them), then the training loader (unless reading
+    first, inside the random-state isolation the sanity check runs in (what ``val_dataloader()``
+    draws does not change the training data), then the training loader (unless reading
     ``estimated_stepping_batches`` in ``configure_optimizers`` loaded it already); otherwise
-    the training loader first."""
+    the training loader, and the validation loaders once the fit loop has created the first
+    epoch's data iterator (``lt._load_val_later``, see :func:`~fasttrain.lightning.loops.run_fit`)."""
     sanity = (
         lt.num_sanity_val_steps != 0 and lt._has_val_step
         and lt.limit_val_batches != 0 and not lt._restarting
     )
+    lt._load_val_later = None
     if sanity:
-        _load_val_data(lt, val_dataloaders)
+        with isolate_rng():
+            _load_val_data(lt, val_dataloaders)
     if lt._load_train_data is not None:
         lt._load_train_data()
     if not sanity:
-        _load_val_data(lt, val_dataloaders)
+        lt._val_loaders = []
+        lt._load_val_later = functools.partial(_load_val_data, lt, val_dataloaders)
 
 
 def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only=None) -> None:

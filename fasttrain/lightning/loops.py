@@ -74,7 +74,8 @@ def run_fit(lt, runner) -> None:
     state = lt.fit_loop
     epoch_loop = state.epoch_loop
     engine = runner._engine
-    if runner.run_config.is_distributed:
+    distributed = runner.run_config.is_distributed
+    if distributed:
         # accelerate's prepared loaders shard the batches over the processes
         lt._train_loader = runner._train_dataloader
         lt._val_loaders = [prepare_eval_loader(runner, dl) for dl in lt._val_loaders]
@@ -88,6 +89,15 @@ def run_fit(lt, runner) -> None:
             run_evaluation(lt, runner, "validate", sanity=True)
         hooks.callbacks_only("on_sanity_check_end")
         lt.sanity_checking = False
+    # Lightning creates the first epoch's data iterator here, after the sanity check and before
+    # on_train_start (a DataLoader draws its base seed when the iterator is created)
+    iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
+    load_val, lt._load_val_later = lt._load_val_later, None
+    if load_val is not None:
+        # without a sanity check Lightning requests the validation loaders only now
+        load_val()
+        if distributed:
+            lt._val_loaders = [prepare_eval_loader(runner, dl) for dl in lt._val_loaders]
     lt.training = True
     # no .train() here: as in Lightning, each submodule keeps the mode the user left it in (a
     # frozen backbone or BatchNorm in eval mode stays so); evaluation restores the modes it found
@@ -115,13 +125,16 @@ def run_fit(lt, runner) -> None:
         progress = lt._progress
         progress.start_epoch(epoch, num_batches)
         hooks("on_train_epoch_start")
+        if iterator is None:
+            iterator = iter(loader)  # later epochs: after on_train_epoch_start, as in Lightning
+        # a mid-epoch resume counts on from the batch it stopped at, on a fresh iterator: the
+        # epoch takes the loader's first remaining-count batches, as Lightning's does
         first = state.resume_batch
         state.resume_batch = 0
-        for batch_idx, batch in enumerate(loader):
-            if batch_idx >= num_batches:
-                break
-            if batch_idx < first:
-                continue  # a mid-epoch resume passes over the batches already trained on
+        # no batch is requested past the epoch's last (zip stops at the range first): a sampler
+        # run to its end draws from the loader's generator once more, which Lightning's fetcher
+        # never does for a loader with a length, so the next epochs' shuffles would differ
+        for batch_idx, batch in zip(range(first, num_batches), iterator):
             last = batch_idx + 1 == num_batches
             if moves_batches:
                 batch = transfer(lt, batch)
@@ -177,6 +190,7 @@ def run_fit(lt, runner) -> None:
                 epoch_loop._batches_that_stepped += 1
             if (max_steps != -1 and lt.global_step >= max_steps) or lt.should_stop:
                 break
+        iterator = None
         state.epoch_progress.current.processed += 1
         progress.update(epoch_loop.batch_progress.current.ready, results.metrics(on_step=True)["pbar"])
         lt._epoch_end_metrics_ready()
@@ -253,6 +267,9 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
         # sanity check (ModelCheckpoint only warns about a missing monitored value until then)
         val_loop._has_run = False
     mode = [m.training for m in module.modules()]
+    # as in Lightning, the first loader's iterator exists before the hooks, the others' are
+    # created when their turn comes, and no batch is requested past a loader's count
+    first_iterator = iter(loaders[0]) if loaders else None
     hooks.module_hook(f"on_{prefix}_model_eval")
     hooks(f"on_{prefix}_start")
     hooks(f"on_{prefix}_epoch_start")
@@ -266,9 +283,8 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
                 count = lt._num_sanity_batches(loader)
             lt._eval_dataloader_idx = loader_idx if several else None
             extra = (loader_idx,) if several else ()
-            for batch_idx, batch in enumerate(loader):
-                if batch_idx >= count:
-                    break
+            iterator = first_iterator if loader_idx == 0 else iter(loader)
+            for batch_idx, batch in zip(range(count), iterator):
                 batch = transfer(lt, batch, loader_idx)
                 runner.batch_idx = batch_idx
                 results.start_batch(batch, loader_idx if several else None)
@@ -333,9 +349,7 @@ def run_predict(lt, runner, loaders) -> list:
             count = limited_batches(lt.limit_predict_batches, len(loader))
             extra = (loader_idx,) if several else ()
             predictions = []
-            for batch_idx, batch in enumerate(loader):
-                if batch_idx >= count:
-                    break
+            for batch_idx, batch in zip(range(count), loader):  # no batch requested past the count
                 batch = transfer(lt, batch, loader_idx)
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
                 module._current_fx_name = "predict_step"

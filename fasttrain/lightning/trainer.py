@@ -100,6 +100,8 @@ class Trainer:
         self._hooks: Optional[HookCaller] = None
         #: whether the attached module defines validation_step (decided when a run attaches it)
         self._has_val_step = False
+        #: requests the fit's validation loaders when no sanity check does (see fit._load_data)
+        self._load_val_later = None
 
     # ------------------------------------------------------------------ construction
     @staticmethod

@@ -1,0 +1,95 @@
+"""Seeded data order: fasttrain.lightning.Trainer draws from the random state and from a
+loader's generator in lightning.Trainer's pattern, so a seeded fit sees the same batches in
+every epoch, with or without a sanity check, and after a mid-epoch resume."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
+
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_modules import QUIET, Classifier, assert_same_weights  # noqa: E402
+from side_by_side import run_both, trainers  # noqa: E402
+
+#: 16 samples whose features name them, so the batches say which samples they hold
+INDEXED = TensorDataset(torch.arange(16.0).unsqueeze(1).repeat(1, 6), torch.arange(16) % 3)
+
+
+class Seen(Classifier):
+    """Records the samples of every training batch; its val_dataloader draws from the global
+    random state, as one that builds random data does."""
+
+    def __init__(self, val_draws=False):
+        super().__init__()
+        self.seen = []
+        self.val_draws = val_draws
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.current_epoch, batch_idx, batch[0][:, 0].int().tolist()))
+        return super().training_step(batch, batch_idx)
+
+    def val_dataloader(self):
+        x = torch.randn(8, 6) if self.val_draws else torch.zeros(8, 6)
+        return DataLoader(TensorDataset(x, torch.zeros(8, dtype=torch.long)), batch_size=4)
+
+
+def _shuffled(generator_seed):
+    generator = torch.Generator().manual_seed(generator_seed) if generator_seed is not None else None
+    return DataLoader(INDEXED, batch_size=4, shuffle=True, generator=generator)
+
+
+@pytest.mark.parametrize("generator_seed", [42, None], ids=["loader_generator", "global_generator"])
+@pytest.mark.parametrize("limit", [1.0, 3])
+def test_the_shuffled_order_equals_lightnings_in_every_epoch(generator_seed, limit):
+    def action(trainer):
+        module = Seen()
+        trainer.fit(module, _shuffled(generator_seed))
+        return module
+
+    out = run_both(action, max_epochs=3, limit_train_batches=limit, num_sanity_val_steps=0, limit_val_batches=0)
+    reference, ours = out["lightning"], out["fasttrain"]
+    assert len(reference.seen) == 3 * (4 if limit == 1.0 else 3)
+    assert ours.seen == reference.seen
+    assert_same_weights(reference, ours)
+
+
+@pytest.mark.parametrize("sanity", [0, 2])
+def test_a_val_dataloader_that_draws_random_numbers_leaves_the_order_as_lightning(sanity):
+    def action(trainer):
+        module = Seen(val_draws=True)
+        trainer.fit(module, _shuffled(None))
+        return module
+
+    out = run_both(action, max_epochs=2, num_sanity_val_steps=sanity)
+    reference, ours = out["lightning"], out["fasttrain"]
+    assert ours.seen == reference.seen
+    assert_same_weights(reference, ours)
+
+
+def test_a_mid_epoch_resume_sees_lightnings_batches(tmp_path):
+    kwargs = dict(QUIET, enable_checkpointing=True)
+    torch.manual_seed(0)
+    writer = trainers()[0][1](max_epochs=1, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2,
+                                                                       save_top_k=-1, filename="{step}")],
+                              **{k: v for k, v in kwargs.items() if k != "enable_checkpointing"})
+    writer.fit(Seen(), _shuffled(7))
+    path = os.path.join(tmp_path, "step=2.ckpt")
+
+    def action(trainer):
+        module = Seen()
+        trainer.fit(module, _shuffled(7), ckpt_path=path)
+        return module
+
+    out = run_both(action, max_epochs=3)
+    reference, ours = out["lightning"], out["fasttrain"]
+    # Lightning counts on from batch 2 on a fresh iterator of the loader
+    assert [s[:2] for s in reference.seen[:2]] == [(0, 2), (0, 3)]
+    assert ours.seen == reference.seen
+    assert_same_weights(reference, ours)
