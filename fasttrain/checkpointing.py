@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from fasttrain import checkpoint_sharded, step_metrics
+from fasttrain.engine.hyperparams import plain_optimizer_state
 from fasttrain.checkpoint_files import (  # noqa: F401  (re-exported: part of this module's API)
     CheckpointError,
     CheckpointNotFoundError,
@@ -96,11 +97,11 @@ def save_checkpoint(trainer, save_path, checkpoint_kwargs, save_optimizer, save_
             )
         checkpoint = {"model_state_dict": model_state}
         if save_optimizer:
-            checkpoint["optimizer_state_dict"] = optimizer_state
+            checkpoint["optimizer_state_dict"] = plain_optimizer_state(trainer.optimizer, optimizer_state)
     else:
         checkpoint = {"model_state_dict": trainer.get_model(keep_torch_compile=False).state_dict()}
         if save_optimizer:
-            checkpoint["optimizer_state_dict"] = trainer.optimizer.state_dict()
+            checkpoint["optimizer_state_dict"] = plain_optimizer_state(trainer.optimizer)
     if save_scheduler and trainer.scheduler is not None:
         if hasattr(trainer.scheduler, "state_dict"):
             checkpoint["scheduler_state_dict"] = trainer.scheduler.state_dict()
@@ -242,7 +243,7 @@ def save_training_state(trainer, output_dir, checkpoint_kwargs=None) -> bool:
                 entries["model.pt"] = atomic_save(model.state_dict(), staging / "model.pt")
             if not sharded or not sharded_metadata["optimizer_state"]:
                 # sharded: the parameter groups of an optimizer without state yet (nothing sharded)
-                entries["optimizer.pt"] = atomic_save(trainer.optimizer.state_dict(), staging / "optimizer.pt")
+                entries["optimizer.pt"] = atomic_save(plain_optimizer_state(trainer.optimizer), staging / "optimizer.pt")
             if trainer.scheduler is not None and hasattr(trainer.scheduler, "state_dict"):
                 entries["scheduler.pt"] = atomic_save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
             if accelerator.scaler is not None:

@@ -139,3 +139,40 @@ def test_capture_waits_for_the_armed_skip_after_non_finite_warm_updates():
     assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 4
     for key in eager.state:
         torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+
+
+# defect 7 -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
+def test_a_checkpoint_from_a_gpu_engine_holds_floats_and_the_users_flags(tmp_path, engine):
+    case = mlp_case(epochs=1)
+    case.optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)
+    result = _runs_clean(case, engine)
+    trainer = result.trainer
+    held = trainer.optimizer.param_groups[0]
+    assert held["capturable"] is True and held["lr"].device.type == "cuda"  # as the engine holds them
+    trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=True)["optimizer_state_dict"]
+    group = saved["param_groups"][0]
+    assert group["capturable"] is False and type(group["lr"]) is float
+    assert all(type(b) is float for b in group["betas"])
+    assert all(s["step"].device.type == "cpu" for s in saved["state"].values())
+    # loads into the user's optimizer on the CPU and steps there
+    model = case.model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.load_state_dict(saved)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+
+
+def test_plain_sgd_resumed_from_a_compiled_checkpoint_steps_without_a_sync(tmp_path):
+    case = mlp_case(epochs=1, create_scheduler_fn=None)
+    case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+    _runs_clean(case, "compiled").trainer.save_checkpoint(tmp_path / "ckpt.pt")
+    model = case.model().cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    resumed = Trainer(model, case.loss, optimizer, engine="eager", callbacks=())
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    assert type(optimizer.param_groups[0]["lr"]) is float
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 8, device="cuda")), torch.zeros(4, dtype=torch.long, device="cuda")).backward()
+    with sync_mode("error"):
+        optimizer.step()

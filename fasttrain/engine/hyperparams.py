@@ -20,6 +20,7 @@ on the host between steps and never reads a device value.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -54,6 +55,46 @@ def settings_advice(changes: List[str]) -> str:
         "Keep it constant (e.g. OneCycleLR(cycle_momentum=False) with SGD); the learning rate "
         "and Adam's betas (not fused) are held as tensors and may change freely"
     )
+
+
+#: optimizer -> the parameter groups an engine switched to ``capturable=True`` (the user did not)
+_MADE_CAPTURABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()  # SYNC(save): a checkpoint is written on the host, once per value
+    if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def plain_optimizer_state(optimizer, state: Optional[dict] = None) -> dict:
+    """``optimizer.state_dict()`` (or ``state``, in its format) as the user's optimizer would
+    write it: the learning rates and betas an engine holds as device tensors as floats, and
+    ``capturable=False`` where an engine switched it on, with those groups' step counters on the
+    host. A checkpoint then loads on a machine without the device, and an eager SGD resumed from
+    it steps with a float learning rate instead of reading a tensor every step."""
+    opt = inner_optimizer(optimizer)
+    state = opt.state_dict() if state is None else state
+    made = {id(group) for group in _MADE_CAPTURABLE.get(opt, ())}
+    forced = [id(group) in made for group in opt.param_groups]
+    if len(forced) != len(state.get("param_groups", ())):
+        forced = [False] * len(state.get("param_groups", ()))
+    per_param = dict(state.get("state", {}))
+    groups = []
+    for saved, made_capturable in zip(state.get("param_groups", ()), forced):
+        group = {key: value if key == "params" else _plain(value) for key, value in saved.items()}
+        if made_capturable:
+            group["capturable"] = False
+            for index in saved["params"]:
+                entry = per_param.get(index)
+                step = entry.get("step") if entry else None
+                if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                    # a non-capturable Adam keeps its step counter on the host
+                    per_param[index] = {**entry, "step": step.to("cpu")}  # SYNC(save): once per parameter
+        groups.append(group)
+    return {**state, "state": per_param, "param_groups": groups}
 
 
 def inner_optimizer(optimizer):
@@ -156,6 +197,7 @@ class TensorHyperparams:
     def _make_capturable(self, group: dict) -> None:
         if not group.get("capturable"):
             self._made_capturable.append(group)
+            _MADE_CAPTURABLE.setdefault(self.optimizer, []).append(group)
         group["capturable"] = True
         # torch warns once when a capturable optimizer steps outside a capture, because the
         # device-side step counter costs a few kernels; compiled steps want it (no host reads)
@@ -244,6 +286,8 @@ class TensorHyperparams:
                 state = self.optimizer.state.get(p)
                 if state and isinstance(state.get("step"), torch.Tensor):
                     state["step"] = state["step"].to("cpu")  # SYNC(fallback): once
+        made = _MADE_CAPTURABLE.get(self.optimizer, [])
+        made[:] = [g for g in made if not any(g is restored for restored in self._made_capturable)]
         self._made_capturable = []
         self._groups = None
         self._lr, self._betas, self._watched = [], [], []

@@ -19,6 +19,7 @@ import lightning
 import torch
 
 from fasttrain.checkpoint_files import CheckpointError, replaced_atomically
+from fasttrain.engine.hyperparams import plain_optimizer_state
 
 _SCALER_KEY = "MixedPrecision"
 
@@ -85,22 +86,6 @@ def _loops(lt) -> dict:
     }
 
 
-def _float_hyperparams(state: dict) -> dict:
-    # the compiled engines hold learning rates and betas as device tensors; checkpoints keep
-    # Lightning's plain numbers so any reader (and torch's schedulers on load) sees floats
-    groups = []
-    for group in state.get("param_groups", []):
-        group = dict(group)
-        for key, value in group.items():
-            if isinstance(value, torch.Tensor) and value.ndim == 0 and key != "params":
-                group[key] = value.item()  # SYNC(save): a checkpoint is written on the host
-            elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-                # SYNC(save): as above
-                group[key] = tuple(v.item() if isinstance(v, torch.Tensor) else v for v in value)
-        groups.append(group)
-    return {**state, "param_groups": groups}
-
-
 def dump_checkpoint(lt, weights_only: bool = False) -> dict:
     module = lt.lightning_module
     checkpoint = {
@@ -117,7 +102,9 @@ def dump_checkpoint(lt, weights_only: bool = False) -> dict:
             if state:
                 callbacks[callback.state_key] = state
         checkpoint["callbacks"] = callbacks
-        checkpoint["optimizer_states"] = [_float_hyperparams(opt.state_dict()) for opt in lt.optimizers]
+        # the compiled engines hold learning rates and betas as device tensors and may switch Adam to
+        # capturable: checkpoints keep Lightning's plain numbers and the user's own flags
+        checkpoint["optimizer_states"] = [plain_optimizer_state(opt, opt.state_dict()) for opt in lt.optimizers]
         checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in lt.lr_scheduler_configs]
         scaler = lt._scaler()
         if scaler is not None:
