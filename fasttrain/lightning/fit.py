@@ -155,6 +155,11 @@ def _setup_hooks(lt, stage) -> None:
         dm.setup(stage=stage)
     hooks("setup", stage=stage)
     hooks.module_hook("configure_model")
+    # Lightning starts every fit, validate, test and predict with empty results and metric dicts:
+    # after test(), callback_metrics hold the test's values only
+    for results in (lt._train_results, lt._val_results, lt._test_results):
+        results.reset()
+    lt._logger_connector.reset_metrics()
 
 
 def _teardown(lt, stage: str) -> None:

@@ -117,8 +117,9 @@ def run_fit(lt, runner) -> None:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         num_batches = lt.num_training_batches
+        # not reset here: values logged in on_train_start count in the first epoch, as in
+        # Lightning (the store is reset when a run starts and after each epoch's metrics)
         results = lt._train_results
-        results.reset()
         epoch_loop.batch_progress.current.ready = 0
         epoch_loop.batch_progress.is_last_batch = False
         state.epoch_progress.current.ready += 1
@@ -305,14 +306,12 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
                         lt._logger_connector._logged_metrics.update(step_logged)
                         lt._logger_connector.log_metrics(step_logged, step=lt._eval_seen[key])
                     lt._eval_seen[key] += 1
-            if several:
-                logged.append(lt._eval_loader_metrics(results, loader_idx))
     lt._eval_dataloader_idx = None
     results.dataloader_idx = None
     lt._logger_connector.eval_epoch_ended = not sanity
     hooks(f"on_{prefix}_epoch_end")
     if not sanity:
-        logged = lt._finish_evaluation(results, logged, several)
+        logged = lt._finish_evaluation(results, len(loaders))
     hooks(f"on_{prefix}_end")
     lt._logger_connector.eval_epoch_ended = False
     results.reset()

@@ -67,11 +67,15 @@ class LoggedValue:
 
     __slots__ = (
         "fx", "name", "on_step", "on_epoch", "reduce", "prog_bar", "logger", "enable_graph",
-        "sync", "metric", "step_value", "total", "count", "has_value", "_computed", "given_options",
+        "sync", "metric", "step_value", "total", "count", "has_value", "_computed", "given_options", "suffix",
     )
 
-    def __init__(self, fx, name, *, on_step, on_epoch, reduce, prog_bar, logger, enable_graph, sync, metric):
+    def __init__(self, fx, name, *, on_step, on_epoch, reduce, prog_bar, logger, enable_graph, sync, metric,
+                 suffix=""):
         self.fx, self.name = fx, name
+        #: ``/dataloader_idx_N`` when several evaluation loaders run: it follows the _step/_epoch
+        #: fork (``x_epoch/dataloader_idx_0``), as in Lightning
+        self.suffix = suffix
         self.on_step, self.on_epoch, self.reduce = on_step, on_epoch, reduce
         self.prog_bar, self.logger, self.enable_graph = prog_bar, logger, enable_graph
         self.sync: Optional[Callable] = sync  # reduces a tensor over processes (sync_dist=True)
@@ -139,9 +143,10 @@ class LoggedValue:
             self.metric.reset()
 
     def names(self, on_step: bool) -> tuple:
+        name = self.name + self.suffix
         if self.on_step and self.on_epoch:
-            return self.name, f"{self.name}_{'step' if on_step else 'epoch'}"
-        return self.name, self.name
+            return name, f"{self.name}_{'step' if on_step else 'epoch'}{self.suffix}"
+        return name, name
 
 
 class ResultStore:
@@ -188,9 +193,10 @@ class ResultStore:
 
     def _log(self, fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
              add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group) -> None:
+        suffix = ""
         if add_dataloader_idx and self.dataloader_idx is not None:
-            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
-        key = f"{fx}.{name}"
+            suffix = f"/dataloader_idx_{self.dataloader_idx}"
+        key = f"{fx}.{name}{suffix}"
         is_metric = not isinstance(value, torch.Tensor)
         sync = None
         if sync_dist and sync_dist_fn is not None and not is_metric:
@@ -201,6 +207,7 @@ class ResultStore:
             entry = LoggedValue(
                 fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduction_name(reduce_fx), prog_bar=prog_bar,
                 logger=logger, enable_graph=enable_graph, sync=sync, metric=value if is_metric else None,
+                suffix=suffix,
             )
             entry.given_options = options
             self.entries[key] = entry

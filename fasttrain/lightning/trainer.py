@@ -376,19 +376,22 @@ class Trainer:
         self._logger_connector.log_metrics(results.metrics(on_step=False)["log"])
         self._logger_connector.on_step = True
 
-    def _eval_loader_metrics(self, results: ResultStore, loader_idx: int) -> dict:
-        suffix = f"/dataloader_idx_{loader_idx}"
-        logged = results.metrics(on_step=False)["log"]
-        return {k: v for k, v in logged.items() if k.endswith(suffix)}
-
-    def _finish_evaluation(self, results: ResultStore, per_loader: list, several: bool) -> list:
+    def _finish_evaluation(self, results: ResultStore, num_loaders: int) -> list:
+        """The evaluation's epoch metrics into the metric dicts and the loggers; returns
+        Lightning's result list: one dict per loader, with that loader's ``/dataloader_idx_N``
+        values and those logged without a loader index (in the epoch hooks)."""
         connector = self._logger_connector
         logged = connector.absorb(results, on_step=False)
         connector.log_metrics(logged)
-        if not several:
-            per_loader = [logged]
         # SYNC(epoch-end): validate()/test() return host numbers, as Lightning's do
-        return [dict(zip(metrics, to_host(metrics).values())) for metrics in per_loader]
+        host = dict(zip(logged, to_host(logged).values()))
+        if num_loaders == 1:
+            return [host]
+        shared = {k: v for k, v in host.items() if "/dataloader_idx_" not in k}
+        return [
+            {**{k: v for k, v in host.items() if k.endswith(f"/dataloader_idx_{i}")}, **shared}
+            for i in range(num_loaders)
+        ]
 
 
 class _AcceleratorConnector:
