@@ -55,3 +55,49 @@ def test_the_clipping_and_skip_flags_exist_before_the_first_update():
     guard.clip(clipper)
     # one flag object for the whole run: the compiled update guards on what it reads
     assert guard.found_inf is flag and clipper.found_inf is flag
+
+
+def _strided_collate(samples):
+    # each batch's features are every other column of a wider buffer: a strided, non-contiguous view
+    xs = torch.stack([s[0] for s in samples])
+    wide = torch.zeros(xs.size(0), 2 * xs.size(1))
+    wide[:, ::2] = xs
+    return wide[:, ::2], torch.stack([s[1] for s in samples])
+
+
+def test_strided_batches_are_captured_without_tracing_again(monkeypatch):
+    from fasttrain.engine import ENGINES
+
+    monkeypatch.setitem(ENGINES, "cudagraph", CountingCaptures)
+    CountingCaptures.frames_in_captures = []
+    case = mlp_case(epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", collate_fn=_strided_collate)
+        graphed = run(case, "cudagraph", AOT, collate_fn=_strided_collate)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert engine._static.tree[0].stride() == (16, 2)
+    assert CountingCaptures.frames_in_captures == [0, 0, 0]
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+
+
+def test_expanded_batches_are_not_captured(monkeypatch):
+    from fasttrain.engine import ENGINES
+
+    monkeypatch.setitem(ENGINES, "cudagraph", CountingCaptures)
+    CountingCaptures.frames_in_captures = []
+
+    def expanded_collate(samples):
+        xs = torch.stack([s[0] for s in samples])
+        return xs[:1].expand_as(xs), torch.stack([s[1] for s in samples])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(mlp_case(epochs=1), "cudagraph", AOT, collate_fn=expanded_collate, eval_dataset=None)
+    messages = fasttrain_warnings(caught)
+    assert len(messages) == 1 and "overlap in memory" in messages[0] and "contiguous" in messages[0]
+    assert graphed.trainer._engine.active_engine == "compiled"
+    assert CountingCaptures.frames_in_captures == []

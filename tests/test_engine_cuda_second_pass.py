@@ -176,3 +176,46 @@ def test_plain_sgd_resumed_from_a_compiled_checkpoint_steps_without_a_sync(tmp_p
     torch.nn.functional.cross_entropy(model(torch.randn(4, 8, device="cuda")), torch.zeros(4, dtype=torch.long, device="cuda")).backward()
     with sync_mode("error"):
         optimizer.step()
+
+
+# defect 4 -------------------------------------------------------------------------------------
+def _strided_on_device(samples):
+    # a batch built on the GPU as every other column of a wider buffer (non-dense strides, which
+    # the move to the device keeps because the batch is already there)
+    xs = torch.stack([s[0] for s in samples]).cuda()
+    wide = torch.zeros(xs.size(0), 2 * xs.size(1), device="cuda")
+    wide[:, ::2] = xs
+    return wide[:, ::2], torch.stack([s[1] for s in samples]).cuda()
+
+
+def test_strided_device_batches_are_captured_without_tracing_in_the_capture():
+    from engine_cases import CountsCaptureFrames
+    from fasttrain.engine import ENGINES, CudaGraphEngine
+
+    class Counting(CountsCaptureFrames, CudaGraphEngine):
+        frames_in_captures = []
+
+    loader = {"shuffle": False, "num_workers": 0, "pin_memory": False}
+    previous = ENGINES["cudagraph"]
+    ENGINES["cudagraph"] = Counting
+    try:
+        case = mlp_case(epochs=2)
+        eager = run(case, "eager", device="cuda", collate_fn=_strided_on_device, train_dataloader_kwargs=loader,
+                    eval_dataset=None)
+        graphed = _runs_clean_with(case, collate_fn=_strided_on_device, train_dataloader_kwargs=loader)
+    finally:
+        ENGINES["cudagraph"] = previous
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert engine._static.tree[0].stride() == (16, 2)
+    assert Counting.frames_in_captures == [0, 0]
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+
+
+def _runs_clean_with(case, **overrides):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(case, "cudagraph", {"backend": "inductor"}, device="cuda", eval_dataset=None, **overrides)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    return result

@@ -152,6 +152,31 @@ def test_reference_snapshot_rebinds_gradients_and_state():
 
 
 # ----------------------------------------------------------------------------- static inputs
+def test_static_buffers_keep_the_batchs_strides():
+    # clone() makes a strided view contiguous: the step traced with the batch's layout would be
+    # traced again inside the capture, for the buffers' layout
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(8, 16, generator=g)[:, ::2], torch.randn(6, 8, generator=g).t(),
+                torch.randn(4, 3, 2, generator=g).permute(2, 0, 1)[:, 1:])
+    first = batch(0)
+    static = StaticBatch(first)
+    assert [b.stride() for b in static.tree] == [t.stride() for t in first] == [(16, 2), (1, 8), (1, 6, 2)]
+    assert static.signature == batch_signature(first)
+    for buffer, leaf in zip(static.tree, first):
+        assert torch.equal(buffer, leaf) and buffer.data_ptr() != leaf.data_ptr()
+    second = batch(1)
+    static.load(second)
+    assert all(torch.equal(b, t) for b, t in zip(static.tree, second))
+
+
+def test_a_batch_with_overlapping_elements_gets_a_signature_of_its_own():
+    expanded = (torch.randn(1, 4).expand(8, 4), torch.arange(8))
+    static = StaticBatch(expanded)
+    assert static.tree[0].is_contiguous() and torch.equal(static.tree[0], expanded[0])
+    assert static.signature != batch_signature(expanded)  # the engine refuses to capture it
+
+
 def test_static_batch_signature_and_load():
     batch = (torch.randn(4, 3), {"y": torch.arange(4), "tag": "a"})
     static = StaticBatch(batch)

@@ -72,6 +72,14 @@ FSDP2_REASON = (
 )
 
 
+#: why a batch whose tensors' elements overlap is not captured
+OVERLAPPING_BATCH_REASON = (
+    "a batch tensor's elements overlap in memory (an expand()ed view), a layout the static input "
+    "buffers cannot copy into, so the captured step would be traced again for another layout; "
+    "make it contiguous (or clone it) in the collate function"
+)
+
+
 class _CaptureRefused(RuntimeError):
     """Raised when a captured step would not replay correctly."""
 
@@ -277,7 +285,11 @@ class CudaGraphEngine(CompiledEngine):
 
     def _capture_and_replay(self, batch, update: bool, signature) -> dict:
         if self._static is None:
-            self._static = StaticBatch(batch)
+            static = StaticBatch(batch)
+            if static.signature != signature:
+                self._fall_back_train("calculate_train_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
+                return self.train_step(batch, update)
+            self._static = static
         static = self._static
         optimizer = inner_optimizer(self.trainer.optimizer)
         references = ReferenceSnapshot(optimizer)
@@ -478,7 +490,11 @@ class CudaGraphEngine(CompiledEngine):
         return batch_output
 
     def _capture_eval(self, batch, signature) -> dict:
-        static = self._eval_static = StaticBatch(batch)
+        static = StaticBatch(batch)
+        if static.signature != signature:
+            self._fall_back_eval("calculate_eval_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
+            return self.eval_step(batch)
+        self._eval_static = static
         ring = self._eval_ring
 
         def body():

@@ -42,18 +42,46 @@ def batch_signature(batch) -> Tuple:
     ))
 
 
+def _may_overlap(t: torch.Tensor) -> bool:
+    # Walking the dimensions from the smallest stride up, each stride must step past every
+    # element the smaller dimensions reach; otherwise two indices may share an element.
+    reach = 0
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def static_buffer(leaf: torch.Tensor) -> torch.Tensor:
+    """A copy of ``leaf`` with its strides: the compiled step the graph captures was traced with
+    the batch's layout, and a buffer of another layout (``clone()`` makes a strided view
+    contiguous) would trace it again inside the capture. A layout whose elements overlap (an
+    ``expand()``ed view) cannot be written into; its buffer is contiguous, and its signature then
+    differs from the batch's, which the engine refuses to capture."""
+    leaf = leaf.detach()
+    if _may_overlap(leaf):
+        return leaf.clone(memory_format=torch.contiguous_format)
+    buffer = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
+    buffer.copy_(leaf)
+    return buffer
+
+
 class StaticBatch:
-    """Input buffers shaped like ``batch``; :meth:`load` copies a batch of the same signature in."""
+    """Input buffers laid out like ``batch``; :meth:`load` copies a batch of the same signature in.
+
+    :attr:`signature` is the buffers' own: equal to the batch's unless a tensor's elements
+    overlap (see :func:`static_buffer`)."""
 
     def __init__(self, batch):
         leaves, self._spec = pytree.tree_flatten(batch)
-        self.signature = batch_signature(batch)
         self._flat = _flat_tensors(batch)
-        buffers = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        buffers = [static_buffer(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self._tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self._buffers = [buffers[i] for i in self._tensor_index]
         #: the batch the graphs were captured with
         self.tree = pytree.tree_unflatten(buffers, self._spec)
+        self.signature = batch_signature(self.tree)
 
     def load(self, batch) -> None:
         if self._flat:
