@@ -52,10 +52,25 @@ def launch_env(**extra) -> dict:
     return env
 
 
-def torchrun_two(script: Path, *args) -> list:
-    """The command that runs ``script`` with ``args`` in two processes on this host."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), str(script), *map(str, args)]
+def torchrun_two(script: Path, *args, max_restarts: int = 0) -> list:
+    """The command that runs ``script`` with ``args`` in two processes on this host.
+
+    With ``max_restarts`` torchrun starts the pair again, up to that many times, when a process
+    fails. That launch uses the c10d rendezvous, and its environment needs
+    :data:`RESTART_ENV`: torchrun's static rendezvous (``--master_port``) and, by default, the
+    c10d one keep the first start's store, where the restarted processes can read the previous
+    start's process-group addresses and fail to connect (pytorch/pytorch#135712)."""
+    if not max_restarts:
+        launch = ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    else:
+        launch = ["--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                  f"127.0.0.1:{free_port()}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *launch, str(script),
+            *map(str, args)]
+
+
+#: the environment of a launch that torchrun may restart: each start gets a store of its own
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def run_two_and_one(worker: Path, out: Path, env, timeout_s: float) -> dict:
