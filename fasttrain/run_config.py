@@ -104,12 +104,17 @@ def build_run_config(
     train_bs = (train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
     eval_bs = (eval_dl_kwargs or {}).get("batch_size", train_bs) if eval_dl_kwargs else train_bs
     processes = accelerator.num_processes
-    if train_dataloader is not None:
-        local_batches = len(train_dataloader)
-        updates_per_epoch = math.ceil(local_batches * processes / gradient_accumulation_steps)
-        local_updates_per_epoch = math.ceil(local_batches / gradient_accumulation_steps)
-    else:
-        updates_per_epoch = local_updates_per_epoch = 0
+    try:
+        local_batches = len(train_dataloader) if train_dataloader is not None else 0
+    except TypeError:  # an iterable without a length: the updates of an epoch are unknown
+        if max_num_train_steps is None:
+            raise TypeError(
+                "the training dataloader has no length (an IterableDataset?), so the run's length is unknown; "
+                "give the dataset a __len__, or bound the run with max_num_train_steps"
+            ) from None
+        local_batches = 0
+    updates_per_epoch = math.ceil(local_batches * processes / gradient_accumulation_steps)
+    local_updates_per_epoch = math.ceil(local_batches / gradient_accumulation_steps)
     if max_num_train_steps is None:
         # one more than the run can reach, so the limit never ends an epoch early
         max_num_train_steps = num_epochs * updates_per_epoch + 1

@@ -1,6 +1,6 @@
 """What a LightningModule or DataModule can ask of the trainer besides the loops: callbacks from
 configure_callbacks, a DataModule's batch-transfer hooks, the Lightning callbacks fasttrain does
-not run, accelerator and precision spellings, loaders without a length, and how checkpoints are
+not run, accelerator and precision spellings, and how checkpoints are
 loaded (safely by default, the loss scaler's state included)."""
 
 import sys
@@ -22,12 +22,10 @@ from lightning.pytorch.callbacks import (  # noqa: E402
     ThroughputMonitor,
     TQDMProgressBar,
 )
-from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from fasttrain.checkpoint_files import CheckpointError  # noqa: E402
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
-    DATA,
     QUIET,
     VAL,
     Classifier,
@@ -197,19 +195,6 @@ def test_precision_aliases_like_lightning(precision, warns):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert L.Trainer(precision=precision, **QUIET).precision == expected
-
-
-class _Stream(IterableDataset):
-    def __iter__(self):
-        return iter(DATA)
-
-
-def test_a_dataloader_without_length_is_an_error_saying_what_to_change():
-    trainer = Trainer(max_epochs=1, **QUIET)
-    with pytest.raises(TypeError, match="training dataloader has no length.*__len__"):
-        trainer.fit(Classifier(), DataLoader(_Stream(), batch_size=8))
-    with pytest.raises(TypeError, match="validation dataloader has no length"):
-        trainer.validate(Classifier(), DataLoader(_Stream(), batch_size=8))
 
 
 # ---------------------------------------------------------------------------------- loading checkpoints

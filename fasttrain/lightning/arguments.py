@@ -11,10 +11,20 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time_interval_seconds
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+
+class LightningConfigError(MisconfigurationException, ValueError):
+    """A bad Trainer setting: Lightning's ``MisconfigurationException`` (what Lightning raises
+    there, so ``except MisconfigurationException`` works unchanged) that is also a
+    ``ValueError``."""
 
 PRECISIONS = {
     None: "no", 32: "no", "32": "no", "32-true": "no",
@@ -29,46 +39,62 @@ GRADIENT_CLIP_ALGORITHMS = (None, "norm", "value")
 # Lightning arguments that fasttrain does not implement: an error names them (with why, where
 # a user would expect it to work)
 _NOT_SUPPORTED = {
-    "fast_dev_run": "set max_steps and limit_val_batches instead",
-    "min_epochs": "fasttrain stops at max_epochs/max_steps or when a callback sets should_stop",
-    "min_steps": "fasttrain stops at max_epochs/max_steps or when a callback sets should_stop",
-    "max_time": "use max_steps",
-    "overfit_batches": "pass a small dataset instead",
-    "num_nodes": "launch the processes with accelerate launch or torchrun",
     "plugins": "precision and distribution go through accelerate (precision=, strategy=)",
     "profiler": "use torch.profiler around fit()",
     "detect_anomaly": "wrap fit() in torch.autograd.detect_anomaly()",
-    "barebones": "fasttrain's logging costs no per-step sync; leave it out",
     "sync_batchnorm": "convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm first",
-    "reload_dataloaders_every_n_epochs": "dataloaders are loaded once per fit()",
     "use_distributed_sampler": "accelerate shards the dataloaders",
     "benchmark": "set torch.backends.cudnn.benchmark yourself",
     "inference_mode": "evaluation runs under torch.no_grad",
     "model_registry": "not available",
+    "enable_autolog_hparams": "hyperparameters always go to the loggers, as with Lightning's default",
 }
 
+# Lightning's barebones opt-outs: (argument, the value barebones sets, what Lightning's error says)
+_BAREBONES_OFF = (
+    ("enable_checkpointing", False, "Checkpointing can impact raw speed so it is disabled in barebones mode."),
+    ("logger", False, "Logging can impact raw speed so it is disabled in barebones mode."),
+    ("enable_progress_bar", False, "The progress bar can impact raw speed so it is disabled in barebones mode."),
+    ("log_every_n_steps", 0, "Logging can impact raw speed so it is disabled in barebones mode."),
+    ("enable_model_summary", False, "Model summary can impact raw speed so it is disabled in barebones mode."),
+    ("num_sanity_val_steps", 0, "Sanity checking can impact raw speed so it is disabled in barebones mode."),
+    ("fast_dev_run", False,
+     "Development run is not meant for raw speed evaluation so it is disabled in barebones mode."),
+)
 
-def _fraction_or_count(name: str, value, allow_zero: bool = True):
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+
+def _batch_limit(name: str, value):
+    """Lightning's reading of a ``limit_*_batches``-style value (1.0 for None; its info message
+    for an explicit 1 or 1.0), after fasttrain's type check."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{name} must be an int (batches) or a float in [0, 1] (a fraction), got {value!r}")
-    if isinstance(value, numbers.Integral):
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"{name} must be a non-negative number of batches, got {value}")
-        return int(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} as a float is a fraction of the batches and must be in [0, 1], got {value}")
-    return float(value)
+    if value is not None and value < 0:
+        raise LightningConfigError(f"You have passed invalid value {value} for {name}, it has to be in [0.0, 1.0] or an int.")
+    try:
+        return _determine_batch_limits(value, name)
+    except MisconfigurationException as error:
+        raise LightningConfigError(str(error)) from None
 
 
-def limited_batches(limit, available: int) -> int:
-    """How many batches a ``limit_*_batches`` value lets through out of ``available``."""
-    if isinstance(limit, int):
-        return min(limit, available)
-    if limit == 1.0 or math.isinf(available):
-        return available
-    return int(available * limit)
+def loader_length(loader):
+    """``len(loader)``, or ``inf`` for an iterable without a length (Lightning's count)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return float("inf")
+
+
+def num_batches(stage, loader, limit, processes: int = 1):
+    """Lightning's count of the batches a loop takes from ``loader`` under ``limit`` (its
+    errors for a fractional limit on a loader without a length, or a fraction giving no batch);
+    with several processes each takes every world-th batch."""
+    length = loader_length(loader)
+    if processes > 1 and length != float("inf"):
+        length = math.ceil(length / processes)
+    try:
+        return _parse_num_batches(stage, length, limit)
+    except MisconfigurationException as error:
+        raise LightningConfigError(str(error)) from None
 
 
 @dataclass
@@ -78,16 +104,22 @@ class TrainerArguments:
     accelerator: str = "auto"
     strategy: str = "auto"
     devices: Any = "auto"
+    num_nodes: int = 1
     precision: Any = None
     logger: Any = None
     callbacks: Any = None
+    fast_dev_run: Any = False
     max_epochs: Optional[int] = None
+    min_epochs: Optional[int] = None
     max_steps: int = -1
+    min_steps: Optional[int] = None
+    max_time: Any = None
     limit_train_batches: Union[int, float, None] = None
     limit_val_batches: Union[int, float, None] = None
     limit_test_batches: Union[int, float, None] = None
     limit_predict_batches: Union[int, float, None] = None
-    val_check_interval: Union[int, float, None] = None
+    overfit_batches: Union[int, float] = 0.0
+    val_check_interval: Any = None
     check_val_every_n_epoch: Optional[int] = 1
     num_sanity_val_steps: Optional[int] = None
     log_every_n_steps: Optional[int] = None
@@ -98,12 +130,17 @@ class TrainerArguments:
     gradient_clip_val: Union[int, float, None] = None
     gradient_clip_algorithm: Optional[str] = None
     deterministic: Any = None
+    barebones: bool = False
+    reload_dataloaders_every_n_epochs: int = 0
     default_root_dir: Any = None
+    enable_autolog_hparams: bool = True
     # fasttrain's own
     engine: str = "auto"
     compile_options: Optional[dict] = None
     nonfinite: str = "ignore"
     mixed_precision: str = field(init=False, default="no")
+    #: seconds between validations for a time-based val_check_interval, else None
+    val_check_seconds: Optional[float] = field(init=False, default=None)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -128,32 +165,46 @@ class TrainerArguments:
             raise ValueError(
                 f"strategy must be one of {STRATEGIES} (distribution runs through accelerate), got {self.strategy!r}"
             )
-        if self.max_epochs is None:
-            self.max_epochs = 1000 if self.max_steps == -1 else -1
-        if not isinstance(self.max_epochs, int) or self.max_epochs < -1:
+        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
+            raise LightningConfigError(f"`num_nodes` must be a positive integer, but got {self.num_nodes}.")
+        if self.barebones:
+            self._barebones_opt_outs()
+        else:
+            self.num_sanity_val_steps = 2 if self.num_sanity_val_steps is None else self.num_sanity_val_steps
+            self.log_every_n_steps = 50 if self.log_every_n_steps is None else self.log_every_n_steps
+        # Lightning keeps max_epochs None here and decides 1000 or -1 when a fit starts
+        if self.max_epochs is not None and (not isinstance(self.max_epochs, int) or self.max_epochs < -1):
             raise ValueError(f"max_epochs must be an int >= -1 (-1: no limit), got {self.max_epochs!r}")
         if not isinstance(self.max_steps, int) or self.max_steps < -1:
             raise ValueError(f"max_steps must be an int >= -1 (-1: no limit), got {self.max_steps!r}")
-        if self.max_epochs == -1 and self.max_steps == -1:
-            raise ValueError("max_epochs=-1 needs a max_steps; otherwise training never ends")
-        self.limit_train_batches = _fraction_or_count("limit_train_batches", self.limit_train_batches)
-        self.limit_val_batches = _fraction_or_count("limit_val_batches", self.limit_val_batches)
-        self.limit_test_batches = _fraction_or_count("limit_test_batches", self.limit_test_batches)
-        self.limit_predict_batches = _fraction_or_count("limit_predict_batches", self.limit_predict_batches)
-        interval = 1.0 if self.val_check_interval is None else self.val_check_interval
-        if isinstance(interval, bool) or not isinstance(interval, numbers.Real) or interval <= 0:
-            raise ValueError(f"val_check_interval must be a positive int (batches) or a float in (0, 1], got {interval!r}")
-        if isinstance(interval, float) and interval > 1.0:
-            raise ValueError(f"val_check_interval as a float is a fraction of an epoch and must be <= 1, got {interval}")
-        self.val_check_interval = interval
+        for name in ("min_epochs", "min_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+        if self.max_time is not None and not isinstance(self.max_time, (str, timedelta, dict)):
+            raise TypeError(
+                f"max_time must be a 'DD:HH:MM:SS' string, a datetime.timedelta or a dict of timedelta arguments, "
+                f"got {self.max_time!r}"
+            )
+        self._debugging_flags()
         if self.check_val_every_n_epoch is not None and (
             not isinstance(self.check_val_every_n_epoch, int) or self.check_val_every_n_epoch < 1
         ):
-            raise ValueError(f"check_val_every_n_epoch must be a positive int or None, got {self.check_val_every_n_epoch!r}")
-        self.num_sanity_val_steps = 2 if self.num_sanity_val_steps is None else self.num_sanity_val_steps
+            raise LightningConfigError(
+                f"`check_val_every_n_epoch` should be an integer, found {self.check_val_every_n_epoch!r}."
+            )
+        if self.check_val_every_n_epoch is None and isinstance(self.val_check_interval, float):
+            raise LightningConfigError(
+                "`val_check_interval` should be an integer or a time-based duration (str 'DD:HH:MM:SS', "
+                "datetime.timedelta, or dict kwargs for timedelta) when `check_val_every_n_epoch=None`."
+            )
+        if not isinstance(self.reload_dataloaders_every_n_epochs, int) or self.reload_dataloaders_every_n_epochs < 0:
+            raise LightningConfigError(
+                "`reload_dataloaders_every_n_epochs` should be an int >= 0, got "
+                f"{self.reload_dataloaders_every_n_epochs}."
+            )
         if not isinstance(self.num_sanity_val_steps, int) or self.num_sanity_val_steps < -1:
             raise ValueError(f"num_sanity_val_steps must be an int >= -1 (-1: all), got {self.num_sanity_val_steps!r}")
-        self.log_every_n_steps = 50 if self.log_every_n_steps is None else self.log_every_n_steps
         if not isinstance(self.log_every_n_steps, int) or self.log_every_n_steps < 0:
             raise ValueError(f"log_every_n_steps must be an int >= 0, got {self.log_every_n_steps!r}")
         for name in ("enable_checkpointing", "enable_progress_bar", "enable_model_summary"):
@@ -175,13 +226,87 @@ class TrainerArguments:
             raise ValueError(f"gradient_clip_val must be a non-negative number or None, got {self.gradient_clip_val!r}")
         if self.deterministic not in (None, True, False, "warn"):
             raise ValueError(f"deterministic must be None, True, False or 'warn', got {self.deterministic!r}")
-        self.default_root_dir = os.fspath(self.default_root_dir) if self.default_root_dir is not None else os.getcwd()
+        root = self.default_root_dir
+        # Lightning expands "~" in default_root_dir (its file system layer does)
+        self.default_root_dir = os.path.normpath(os.path.expanduser(os.fspath(root))) if root is not None else os.getcwd()
+
+    def _barebones_opt_outs(self) -> None:
+        """Lightning's ``barebones=True``: each feature that costs speed is off, and asking for
+        one of them is Lightning's ``ValueError``."""
+        for name, off, why in _BAREBONES_OFF:
+            value = getattr(self, name)
+            if name in ("log_every_n_steps", "num_sanity_val_steps"):
+                wanted = value is not None and value != 0
+            elif name == "logger":
+                wanted = value is not None and value is not False
+            elif name == "fast_dev_run":
+                wanted = value is not False and value != 0
+            else:
+                wanted = bool(value)
+            if wanted:
+                raise ValueError(f"`Trainer(barebones=True, {name}={value!r})` was passed. {why}")
+            setattr(self, name, off)
+
+    def _debugging_flags(self) -> None:
+        """``fast_dev_run``, ``overfit_batches``, the batch limits and ``val_check_interval``, as
+        Lightning reads them (its info messages included)."""
+        run = self.fast_dev_run
+        if isinstance(run, bool) or run is None:
+            run = bool(run)
+        elif not isinstance(run, int):
+            raise TypeError(f"fast_dev_run must be a bool or an int, got {run!r}")
+        elif run < 0:
+            raise LightningConfigError(f"fast_dev_run={run!r} is not a valid configuration. It should be >= 0.")
+        self.fast_dev_run = True if run == 1 else run
+        self.overfit_batches = _batch_limit("overfit_batches", self.overfit_batches)
+        overfit = self.overfit_batches > 0
+        interval = self.val_check_interval
+        if run:
+            batches = int(run)
+            if not overfit:
+                self.limit_train_batches = self.limit_val_batches = batches
+            self.limit_test_batches = self.limit_predict_batches = batches
+            self.max_steps, self.max_epochs = batches, 1
+            self.num_sanity_val_steps = 0
+            self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+            rank_zero_info(
+                f"Running in `fast_dev_run` mode: will run the requested loop using {batches} batch(es). "
+                "Logging and checkpointing is suppressed."
+            )
+        else:
+            if not overfit:
+                self.limit_train_batches = _batch_limit("limit_train_batches", self.limit_train_batches)
+                self.limit_val_batches = _batch_limit("limit_val_batches", self.limit_val_batches)
+            self.limit_test_batches = _batch_limit("limit_test_batches", self.limit_test_batches)
+            self.limit_predict_batches = _batch_limit("limit_predict_batches", self.limit_predict_batches)
+            if isinstance(interval, (str, dict, timedelta)):
+                try:
+                    self.val_check_seconds = _parse_time_interval_seconds(interval)
+                except (MisconfigurationException, TypeError) as error:
+                    raise LightningConfigError(str(error)) from None
+            else:
+                if isinstance(interval, bool) or not isinstance(interval, (numbers.Real, type(None))) or (
+                    interval is not None and interval <= 0
+                ):
+                    raise ValueError(
+                        "val_check_interval must be a positive int (batches), a float in (0, 1], or a time "
+                        f"('DD:HH:MM:SS', a timedelta or a dict of timedelta arguments), got {interval!r}"
+                    )
+                self.val_check_interval = _batch_limit("val_check_interval", interval)
+        if overfit:
+            self.limit_train_batches = self.limit_val_batches = self.overfit_batches
 
 
 def parse_arguments(kwargs: dict) -> TrainerArguments:
-    """``TrainerArguments`` from the keyword arguments given to ``Trainer``; an unknown or
-    unsupported name is a ``TypeError`` naming it."""
-    known = {name for name in TrainerArguments.__dataclass_fields__ if name != "mixed_precision"}
+    """``TrainerArguments`` from the keyword arguments given to ``Trainer``, over the defaults
+    Lightning reads from ``PL_TRAINER_<ARGUMENT>`` environment variables (a given argument wins,
+    as in Lightning); an unknown or unsupported name is a ``TypeError`` naming it."""
+    from lightning.pytorch import Trainer as LightningTrainer
+    from lightning.pytorch.utilities.argparse import _parse_env_variables
+
+    kwargs = {**vars(_parse_env_variables(LightningTrainer)), **kwargs}
+    internal = ("mixed_precision", "val_check_seconds")
+    known = {name for name in TrainerArguments.__dataclass_fields__ if name not in internal}
     for name in kwargs:
         if name in _NOT_SUPPORTED:
             raise TypeError(

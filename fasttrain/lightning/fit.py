@@ -11,13 +11,16 @@ import signal
 import sys
 import threading
 import warnings
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.loops.utilities import _parse_loop_limits
+from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -26,7 +29,7 @@ from lightning.pytorch.utilities.model_summary import summarize
 
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
-from fasttrain.lightning.arguments import limited_batches
+from fasttrain.lightning.arguments import num_batches
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
@@ -115,16 +118,14 @@ def _verify_fit(module) -> None:
             )
 
 
-def _check_sized(loaders, what: str) -> None:
-    for loader in loaders:
-        try:
-            len(loader)
-        except TypeError:
-            raise TypeError(
-                f"the {what} dataloader has no length (len() of it raised TypeError; an IterableDataset without "
-                "__len__?): fasttrain.lightning counts an epoch's batches up front. Use a map-style Dataset, or "
-                "give the dataset a __len__ returning the number of samples it yields."
-            ) from None
+def _overfit(lt, loader, stage: RunningStage):
+    """With ``overfit_batches``, a shuffling loader is rebuilt to read in order (Lightning's
+    warning and rebuild), so every epoch sees the same batches."""
+    if lt.overfit_batches <= 0 or loader is None:
+        return loader
+    holder = SimpleNamespace(flattened=[loader])
+    _resolve_overfit_batches(holder, stage)
+    return holder.flattened[0]
 
 
 def _prepare_data(lt) -> None:
@@ -268,16 +269,29 @@ def _choose_engine(lt, requested: str, device) -> str:
 
 
 def _check_devices(lt, processes: int) -> None:
-    devices = lt._args.devices
+    """``devices`` (per node) times ``num_nodes`` must be the launch's process count: fasttrain
+    starts no processes itself, torchrun (or accelerate launch) does, on every node."""
+    devices, nodes = lt._args.devices, lt.num_nodes
     if devices in ("auto", -1, "-1"):
-        return
-    wanted = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
-    if wanted != processes:
+        if processes % nodes == 0 and processes >= nodes:
+            return
+        wanted = None
+    else:
+        wanted = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
+        if wanted * nodes == processes:
+            return
+    per_node = wanted or 1
+    if nodes == 1:
         raise ValueError(
             f"devices={devices!r} but this run has {processes} process(es): fasttrain starts no processes itself; "
-            f"launch {wanted} with `accelerate launch --num_processes {wanted}` or `torchrun --nproc_per_node "
-            f"{wanted}`, or leave devices='auto'"
+            f"launch {per_node} with `accelerate launch --num_processes {per_node}` or `torchrun --nproc_per_node "
+            f"{per_node}`, or leave devices='auto'"
         )
+    raise ValueError(
+        f"num_nodes={nodes} and devices={devices!r} but this run has {processes} process(es): fasttrain starts no "
+        f"processes itself; on each of the {nodes} nodes launch `torchrun --nnodes {nodes} --nproc_per_node "
+        f"{per_node} ...` (or `accelerate launch --num_machines {nodes} --num_processes {per_node * nodes}`)"
+    )
 
 
 def _runner(lt, engine: str) -> ModuleRunner:
@@ -305,27 +319,42 @@ def _to_device(lt, runner: ModuleRunner) -> None:
 
 def _load_train_data(lt, given, processes: int) -> None:
     """Request the fit's training dataloader (``given`` to fit, else the DataModule's or the
-    module's ``train_dataloader()``), once, and count its batches."""
+    module's ``train_dataloader()``) and count its batches; again at the epochs
+    ``reload_dataloaders_every_n_epochs`` names."""
     lt._load_train_data = None
     train_loader = _loader(lt, given, "train_dataloader")
     if train_loader is None:
         raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
     if isinstance(train_loader, (list, tuple, dict)):
         raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
-    _check_sized([train_loader], "training")
-    lt._train_loader = train_loader
+    train_loader = _overfit(lt, train_loader, RunningStage.TRAINING)
     # accelerate gives each process every world-th batch (padded to the same count), so the
     # per-process count is known before the loaders are prepared
-    lt.num_training_batches = limited_batches(lt.limit_train_batches, math.ceil(len(train_loader) / processes))
+    lt.num_training_batches = num_batches(RunningStage.TRAINING, train_loader, lt.limit_train_batches, processes)
+    lt._train_reloaded_epoch = lt.current_epoch
+    runner = lt._runner
+    if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
+        # a reload inside the fit: shard the new loader as the first one was
+        train_loader = runner._accelerator.prepare(train_loader)
+        train_loader.batch_sampler.even_batches = True
+    lt._train_loader = train_loader
 
 
 def _load_val_data(lt, given) -> None:
     """Request the fit's validation dataloaders, only when validation can run
-    (``validation_step`` defined, ``limit_val_batches`` not 0), as Lightning requests them."""
+    (``validation_step`` defined, ``limit_val_batches`` not 0), as Lightning requests them;
+    again at the validations ``reload_dataloaders_every_n_epochs`` names."""
     module = lt.lightning_module
     wanted = lt._has_val_step and lt.limit_val_batches != 0
-    lt._val_loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
-    _check_sized(lt._val_loaders, "validation")
+    loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
+    loaders = [_overfit(lt, dl, RunningStage.VALIDATING) for dl in loaders]
+    for dl in loaders:
+        num_batches(RunningStage.VALIDATING, dl, lt.limit_val_batches)  # Lightning's checks of the limit
+    lt._val_reloaded_epoch = lt.current_epoch
+    runner = lt._runner
+    if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
+        loaders = [prepare_eval_loader(runner, dl) for dl in loaders]
+    lt._val_loaders = loaders
 
 
 def _load_data(lt, val_dataloaders) -> None:
@@ -362,6 +391,10 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     if isinstance(train_dataloaders, LightningDataModule):
         datamodule, train_dataloaders = train_dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.FITTING)
+    # Lightning decides the loop limits when a fit starts: max_epochs None becomes 1000 (with
+    # its warning) or -1 (when max_steps or max_time bounds the fit)
+    lt.min_epochs, lt.max_epochs = _parse_loop_limits(lt.min_steps, lt.max_steps, lt.min_epochs, lt.max_epochs, lt)
+    _barebones_notice(lt)
     _handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only))
 
 
@@ -382,6 +415,8 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
     lt._train_loader, lt._val_loaders = None, []
     lt.num_training_batches = float("inf")
     lt._load_train_data = functools.partial(_load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
+    lt._reload_train_data = functools.partial(_load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
+    lt._reload_val_data = functools.partial(_load_val_data, lt, val_dataloaders)
     optimizers, lt.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
     lt.optimizers = optimizers
     if module.automatic_optimization and len(optimizers) != 1:
@@ -413,12 +448,16 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
 
     def train():
         hooks("on_fit_start")
-        _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
+        if lt.enable_autolog_hparams:
+            _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
         if checkpoint is not None:
             ckpt_io.restore_training_state(lt, lt.ckpt_path, checkpoint)
         _load_data(lt, val_dataloaders)
         interval = lt.val_check_interval
-        if isinstance(interval, int) and interval > lt.num_training_batches and lt.check_val_every_n_epoch is not None:
+        if (
+            lt._val_check_time_interval is None and isinstance(interval, int) and interval > lt.num_training_batches
+            and lt.check_val_every_n_epoch is not None and lt.limit_val_batches > 0
+        ):
             raise ValueError(
                 f"val_check_interval={interval} batches is more than the {lt.num_training_batches} training batches "
                 "of an epoch; lower it, or set check_val_every_n_epoch=None to count batches across epochs"
@@ -455,6 +494,15 @@ def _needs_closure(optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
+def _barebones_notice(lt) -> None:
+    if lt.barebones:
+        # no progress bar in barebones mode: say that the run started, as Lightning does
+        rank_zero_info(
+            "`Trainer(barebones=True)` started running. The progress bar is disabled so you might want to"
+            " manually print the progress in your model."
+        )
+
+
 def _check_manual(lt) -> None:
     if lt.accumulate_grad_batches != 1:
         raise ValueError(
@@ -489,7 +537,6 @@ def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
     loaders = _as_list(_loader(lt, dataloaders, hook))
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
-    _check_sized(loaders, "test" if stage == "test" else "validation")
     if stage == "test":
         lt._test_loaders = loaders
     else:
@@ -518,7 +565,7 @@ def _predict(lt, dataloaders, ckpt_path, weights_only) -> list:
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    _check_sized(loaders, "prediction")
+    lt._predict_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])

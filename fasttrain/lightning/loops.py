@@ -8,12 +8,17 @@ loggers (every ``log_every_n_steps`` stepping batches: the one host copy of the 
 
 from __future__ import annotations
 
+import itertools
+import time
 from types import SimpleNamespace
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 
-from fasttrain.lightning.arguments import limited_batches
+from lightning.pytorch.trainer.states import RunningStage
+
+from fasttrain.lightning.arguments import num_batches
 
 
 class _Progress:
@@ -94,13 +99,13 @@ def run_fit(lt, runner) -> None:
     iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
     load_val, lt._load_val_later = lt._load_val_later, None
     if load_val is not None:
-        # without a sanity check Lightning requests the validation loaders only now
+        # without a sanity check Lightning requests the validation loaders only now (sharded
+        # over the processes there, as the run is prepared)
         load_val()
-        if distributed:
-            lt._val_loaders = [prepare_eval_loader(runner, dl) for dl in lt._val_loaders]
     lt.training = True
     # no .train() here: as in Lightning, each submodule keeps the mode the user left it in (a
     # frozen backbone or BatchNorm in eval mode stays so); evaluation restores the modes it found
+    lt._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
     hooks("on_train_start")
     k = lt.accumulate_grad_batches
     max_steps = lt.max_steps
@@ -112,6 +117,8 @@ def run_fit(lt, runner) -> None:
     schedulers = bool(lt.lr_scheduler_configs)
     while not _fit_done(lt):
         epoch = lt.current_epoch
+        if _reload_due(lt, lt._train_reloaded_epoch):
+            lt._reload_train_data()
         loader = lt._train_loader
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
@@ -132,11 +139,15 @@ def run_fit(lt, runner) -> None:
         # epoch takes the loader's first remaining-count batches, as Lightning's does
         first = state.resume_batch
         state.resume_batch = 0
-        # no batch is requested past the epoch's last (zip stops at the range first): a sampler
-        # run to its end draws from the loader's generator once more, which Lightning's fetcher
-        # never does for a loader with a length, so the next epochs' shuffles would differ
-        for batch_idx, batch in zip(range(first, num_batches), iterator):
-            last = batch_idx + 1 == num_batches
+        # no batch is requested past the epoch's last: a sampler run to its end draws from the
+        # loader's generator once more, which Lightning's fetcher never does for a loader with a
+        # length, so the next epochs' shuffles would differ. An epoch of unknown length takes a
+        # one-batch look-ahead to tell the last batch, as Lightning's prefetching fetcher does.
+        ended = [False] if num_batches == float("inf") else None
+        if ended is not None:
+            iterator = _look_ahead(iterator, ended)
+        for batch_idx, batch in _numbered(iterator, first, num_batches):
+            last = batch_idx + 1 == num_batches or (ended is not None and ended[0])
             if moves_batches:
                 batch = transfer(lt, batch)
             epoch_loop.batch_idx = runner.batch_idx = batch_idx
@@ -180,6 +191,8 @@ def run_fit(lt, runner) -> None:
                 lt._log_step_metrics()
                 progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
             if _should_validate(lt, batch_idx, last):
+                if _reload_due(lt, lt._val_reloaded_epoch):
+                    lt._reload_val_data()
                 if update:
                     hooks.module_hook("on_validation_model_zero_grad")
                 lt._logger_connector.absorb(results, on_step=True)
@@ -189,7 +202,7 @@ def run_fit(lt, runner) -> None:
                 if schedulers:
                     lt._step_schedulers("step", batch_idx, plateau=True)
                 epoch_loop._batches_that_stepped += 1
-            if (max_steps != -1 and lt.global_step >= max_steps) or lt.should_stop:
+            if (max_steps != -1 and lt.global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
                 break
         iterator = None
         state.epoch_progress.current.processed += 1
@@ -210,6 +223,30 @@ def run_fit(lt, runner) -> None:
     hooks("on_train_end")
 
 
+def _numbered(iterator, first: int, end):
+    """``(index, batch)`` from ``first`` up to ``end`` (``inf``: until the data ends), never
+    requesting a batch past ``end``."""
+    return enumerate(itertools.islice(iterator, None if end == float("inf") else end - first), first)
+
+
+def _look_ahead(loader, ended: list):
+    """``loader``'s batches, setting ``ended[0]`` before the last one is yielded."""
+    iterator = iter(loader)
+    try:
+        upcoming = next(iterator)
+    except StopIteration:
+        return
+    while True:
+        batch = upcoming
+        try:
+            upcoming = next(iterator)
+        except StopIteration:
+            ended[0] = True
+            yield batch
+            return
+        yield batch
+
+
 def _batch_end_outputs(batch_output: dict, k: int) -> dict:
     """``on_train_batch_end``'s ``outputs``, as Lightning builds them: the detached loss divided
     by the accumulation steps, and the other entries of a dict that ``training_step`` returned."""
@@ -228,17 +265,52 @@ def _fit_done(lt) -> bool:
         return True
     if lt.max_epochs != -1 and lt.fit_loop.epoch_progress.current.processed >= lt.max_epochs:
         return True
-    return bool(lt.should_stop)
+    return bool(lt.should_stop) and can_stop_early(lt)
+
+
+def can_stop_early(lt) -> bool:
+    """Whether ``should_stop`` may end the fit: ``min_epochs`` and ``min_steps`` are met. While
+    they are not, training goes on, with Lightning's message once."""
+    met_epochs = lt.fit_loop.epoch_progress.current.processed >= lt.min_epochs if lt.min_epochs else True
+    met_steps = lt.global_step >= lt.min_steps if lt.min_steps else True
+    if met_epochs and met_steps:
+        return True
+    message = (
+        f"Trainer was signaled to stop but the required `min_epochs={lt.min_epochs!r}` or"
+        f" `min_steps={lt.min_steps!r}` has not been met. Training will continue..."
+    )
+    if message not in lt._said:
+        lt._said.add(message)
+        rank_zero_info(message)
+    return False
+
+
+def _reload_due(lt, last_epoch) -> bool:
+    """``reload_dataloaders_every_n_epochs``: whether the loader loaded at ``last_epoch`` is due
+    to be requested again."""
+    every = lt.reload_dataloaders_every_n_epochs
+    return bool(every) and lt.current_epoch - last_epoch >= every
 
 
 def _should_validate(lt, batch_idx: int, last: bool) -> bool:
+    """Lightning's decision after each training batch (time-based, batch-based, or at the end
+    of an epoch of unknown length)."""
     if not lt.enable_validation:
         return False
     every = lt.check_val_every_n_epoch
     if every is not None and (lt.current_epoch + 1) % every != 0:
         return False
-    if lt.should_stop:
+    infinite = lt.num_training_batches == float("inf")
+    if last and infinite:
         return True
+    if lt.should_stop and can_stop_early(lt):
+        return True
+    seconds = lt._val_check_time_interval
+    if seconds is not None:
+        return time.monotonic() - lt._last_val_time >= seconds
+    if infinite:
+        limit = lt.limit_train_batches
+        return isinstance(limit, int) and (batch_idx + 1) % limit == 0
     interval = lt.val_check_batch
     index = lt.fit_loop.epoch_loop.total_batch_idx if every is None else batch_idx
     return (index + 1) % interval == 0
@@ -254,9 +326,9 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     prefix = "test" if testing else "validation"
     loaders = lt._test_loaders if testing else lt._val_loaders
     limit = lt.limit_test_batches if testing else lt.limit_val_batches
-    was_training = lt.training
-    lt.training = False
-    lt.testing, lt.validating = testing, not testing
+    stage_before = lt.state.stage
+    if not sanity:  # the sanity check keeps its own stage
+        lt.state.stage = RunningStage.TESTING if testing else RunningStage.VALIDATING
     results = lt._test_results if testing else lt._val_results
     lt._active_eval_results = results
     results.reset()
@@ -279,13 +351,13 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     logged = []
     with torch.no_grad():
         for loader_idx, loader in enumerate(loaders):
-            count = limited_batches(limit, len(loader))
+            count = num_batches(RunningStage.TESTING if testing else RunningStage.VALIDATING, loader, limit)
             if sanity:
                 count = lt._num_sanity_batches(loader)
             lt._eval_dataloader_idx = loader_idx if several else None
             extra = (loader_idx,) if several else ()
             iterator = first_iterator if loader_idx == 0 else iter(loader)
-            for batch_idx, batch in zip(range(count), iterator):
+            for batch_idx, batch in _numbered(iterator, 0, count):
                 batch = transfer(lt, batch, loader_idx)
                 runner.batch_idx = batch_idx
                 results.start_batch(batch, loader_idx if several else None)
@@ -321,8 +393,8 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     else:
         for m, training in zip(module.modules(), mode):
             m.training = training
-    lt.training = was_training
-    lt.testing = lt.validating = False
+    lt.state.stage = stage_before if stage_before is RunningStage.TRAINING or sanity else None
+    lt._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
     return logged
 
 
@@ -336,7 +408,6 @@ def run_predict(lt, runner, loaders) -> list:
     hooks = lt._hooks
     module = lt.lightning_module
     mode = [m.training for m in module.modules()]
-    lt.training = False
     lt.predicting = True
     hooks.module_hook("on_predict_model_eval")
     hooks("on_predict_start")
@@ -345,10 +416,10 @@ def run_predict(lt, runner, loaders) -> list:
     all_predictions = []
     with torch.no_grad():
         for loader_idx, loader in enumerate(loaders):
-            count = limited_batches(lt.limit_predict_batches, len(loader))
+            count = num_batches(RunningStage.PREDICTING, loader, lt.limit_predict_batches)
             extra = (loader_idx,) if several else ()
             predictions = []
-            for batch_idx, batch in zip(range(count), loader):  # no batch requested past the count
+            for batch_idx, batch in _numbered(iter(loader), 0, count):  # no batch requested past the count
                 batch = transfer(lt, batch, loader_idx)
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
                 module._current_fx_name = "predict_step"

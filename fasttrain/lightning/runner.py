@@ -92,7 +92,9 @@ class ModuleRunner(FasttrainTrainer):
             num_epochs=num_epochs,
             eval_dataset=None,
             per_device_batch_size=per_device_batch_size,
-            max_num_train_steps=None,
+            # Lightning's loop ends the fit (max_steps, max_epochs, the end of the data); a loader
+            # without a length leaves the core's own step budget unbounded
+            max_num_train_steps=None if _sized(train_dataset) else 2**62,
             gradient_accumulation_steps=gradient_accumulation_steps,
             gradient_clip_value=gradient_clip_value,
             gradient_clip_norm=gradient_clip_norm,
@@ -221,6 +223,14 @@ class ModuleRunner(FasttrainTrainer):
         if lt._eval_dataloader_idx is None:
             return self.run_step(lt._eval_step_name, batch, self.batch_idx)
         return self.run_step(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
+
+
+def _sized(loader) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
 
 
 def step_module_for(module) -> "StepModule":

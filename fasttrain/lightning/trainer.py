@@ -10,20 +10,24 @@ order around it; :mod:`.results` keeps ``self.log`` values on the device.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint
+from lightning.fabric.utilities.registry import _load_external_callbacks
+from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, Timer
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.trainer.connectors.callback_connector import _validate_callbacks_list
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
-from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 
 from fasttrain.lightning import checkpoint as ckpt_io
-from fasttrain.lightning.arguments import limited_batches, parse_arguments
+from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
@@ -33,6 +37,19 @@ from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import Strategy
 
 
+_BAREBONES_DEACTIVATED = (
+    " - Checkpointing: `Trainer(enable_checkpointing=True)`",
+    " - Progress bar: `Trainer(enable_progress_bar=True)`",
+    " - Model summary: `Trainer(enable_model_summary=True)`",
+    " - Logging: `Trainer(logger=True)`, `Trainer(log_every_n_steps>0)`,"
+    " `LightningModule.log(...)`, `LightningModule.log_dict(...)`",
+    " - Sanity checking: `Trainer(num_sanity_val_steps>0)`",
+    " - Development run: `Trainer(fast_dev_run=True)`",
+    " - Anomaly detection: `Trainer(detect_anomaly=True)`",
+    " - Profiling: `Trainer(profiler=...)`",
+)
+
+
 class Trainer:
     """Lightning's ``Trainer`` arguments (those fasttrain honours; any other is an error naming
     it) plus fasttrain's keyword options ``engine`` (``"auto"``, ``"eager"``, ``"compiled"``,
@@ -40,34 +57,59 @@ class Trainer:
 
     def __init__(self, **kwargs):
         args = self._args = parse_arguments(kwargs)
+        # max_epochs stays None until a fit decides 1000 or -1, as in Lightning
         self.max_epochs, self.max_steps = args.max_epochs, args.max_steps
+        self.min_epochs, self.min_steps = args.min_epochs, args.min_steps
         self.accumulate_grad_batches = args.accumulate_grad_batches
         self.gradient_clip_val = args.gradient_clip_val
         self.gradient_clip_algorithm = (
             GradClipAlgorithmType(args.gradient_clip_algorithm) if args.gradient_clip_algorithm else None
         )
+        self.fast_dev_run = args.fast_dev_run
+        self.overfit_batches = args.overfit_batches
+        self.barebones = args.barebones
+        self.reload_dataloaders_every_n_epochs = args.reload_dataloaders_every_n_epochs
         self.limit_train_batches, self.limit_val_batches = args.limit_train_batches, args.limit_val_batches
         self.limit_test_batches, self.limit_predict_batches = args.limit_test_batches, args.limit_predict_batches
         self.val_check_interval = args.val_check_interval
+        #: seconds between validations (a time-based val_check_interval), else None; Lightning's
+        #: name, which ModelCheckpoint reads
+        self._val_check_time_interval = args.val_check_seconds
+        self._last_val_time = 0.0
         self.check_val_every_n_epoch = args.check_val_every_n_epoch
-        self.num_sanity_val_steps = args.num_sanity_val_steps
+        # Lightning reads -1 ("all batches") as inf
+        self.num_sanity_val_steps = float("inf") if args.num_sanity_val_steps == -1 else args.num_sanity_val_steps
         self.log_every_n_steps = args.log_every_n_steps
         self.default_root_dir = args.default_root_dir
+        self.enable_autolog_hparams = args.enable_autolog_hparams
         self._force_cpu = args.accelerator == "cpu"
         if args.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=args.deterministic == "warn")
         self.callbacks = self._build_callbacks(args)
+        self._loggers = []
         self.loggers = build_loggers(args.logger, self.default_root_dir)
+        if self.fast_dev_run:
+            # Lightning swaps the loggers for one that records nothing
+            self.loggers = [DummyLogger()] if self.loggers else []
         self._progress = EpochProgress(args.enable_progress_bar)
+        if self.barebones:
+            rank_zero_info(
+                "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have been"
+                " disabled to facilitate analyzing the Trainer overhead. Specifically, the following features are"
+                f" deactivated:{os.linesep}{os.linesep.join(_BAREBONES_DEACTIVATED)}"
+            )
+        #: messages Lightning gives once per trainer (its warning cache)
+        self._said: set = set()
+        #: the epoch each fit loader was last requested at, and how to request it again
+        #: (reload_dataloaders_every_n_epochs)
+        self._train_reloaded_epoch = self._val_reloaded_epoch = float("-inf")
+        self._reload_train_data = self._reload_val_data = None
         self.profiler = PassThroughProfiler()
         self.precision_plugin = Precision()
         self.strategy = Strategy(self)
         self.state = TrainerState()
-        self.barebones = False
-        self.fast_dev_run = False
         self.should_stop = False
         self.received_sigterm = False
-        self.sanity_checking = self.training = self.validating = self.testing = self.predicting = False
         self._logger_connector = LoggerConnector(self)
         self._accelerator_connector = _AcceleratorConnector()
         self._train_results = ResultStore(training=True)
@@ -94,6 +136,7 @@ class Trainer:
         self._train_loader = None
         self._val_loaders: list = []
         self._test_loaders: list = []
+        self._predict_loaders: list = []
         self._eval_step_name = "validation_step"
         self._eval_dataloader_idx = None
         self.num_training_batches = 0
@@ -110,13 +153,22 @@ class Trainer:
         ``ModelCheckpoint`` added when checkpointing is on and none is given, checkpoints last."""
         given = args.callbacks
         callbacks = [given] if isinstance(given, Callback) else list(given or [])
-        check_supported_callbacks(callbacks)
         if args.enable_checkpointing and not any(isinstance(cb, Checkpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint())
         elif not args.enable_checkpointing and any(isinstance(cb, Checkpoint) for cb in callbacks):
-            raise ValueError(
-                "enable_checkpointing=False but a checkpoint callback was passed; remove one of the two"
+            raise LightningConfigError(
+                "Trainer was configured with `enable_checkpointing=False` but found `ModelCheckpoint` in callbacks list."
             )
+        if args.max_time is not None:
+            if any(isinstance(cb, Timer) for cb in callbacks):
+                rank_zero_info("Ignoring `Trainer(max_time=...)`, callbacks list already contains a Timer.")
+            else:
+                callbacks.append(Timer(duration=args.max_time, interval="step"))
+        # callbacks that installed packages register for every Trainer (the entry point group
+        # Lightning reads)
+        callbacks.extend(_load_external_callbacks("lightning.pytorch.callbacks_factory"))
+        check_supported_callbacks(callbacks)
+        _validate_callbacks_list(callbacks)
         return order_callbacks(callbacks)
 
     # ------------------------------------------------------------------ what modules and callbacks read
@@ -135,6 +187,58 @@ class Trainer:
     @property
     def global_step(self) -> int:
         return self._global_step
+
+    # the running stage, as Lightning keeps it: trainer.state.stage, which these flags set and
+    # read (identity tests: read by self.log on every call)
+    @property
+    def training(self) -> bool:
+        return self.state.stage is RunningStage.TRAINING
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        self._set_stage(RunningStage.TRAINING, value)
+
+    @property
+    def sanity_checking(self) -> bool:
+        return self.state.stage is RunningStage.SANITY_CHECKING
+
+    @sanity_checking.setter
+    def sanity_checking(self, value: bool) -> None:
+        self._set_stage(RunningStage.SANITY_CHECKING, value)
+
+    @property
+    def validating(self) -> bool:
+        return self.state.stage is RunningStage.VALIDATING
+
+    @validating.setter
+    def validating(self, value: bool) -> None:
+        self._set_stage(RunningStage.VALIDATING, value)
+
+    @property
+    def testing(self) -> bool:
+        return self.state.stage is RunningStage.TESTING
+
+    @testing.setter
+    def testing(self, value: bool) -> None:
+        self._set_stage(RunningStage.TESTING, value)
+
+    @property
+    def predicting(self) -> bool:
+        return self.state.stage is RunningStage.PREDICTING
+
+    @predicting.setter
+    def predicting(self, value: bool) -> None:
+        self._set_stage(RunningStage.PREDICTING, value)
+
+    @property
+    def evaluating(self) -> bool:
+        return self.state.stage is not None and self.state.stage.evaluating
+
+    def _set_stage(self, stage: RunningStage, value: bool) -> None:
+        if value:
+            self.state.stage = stage
+        elif self.state.stage is stage:
+            self.state.stage = None
 
     @property
     def is_global_zero(self) -> bool:
@@ -162,7 +266,20 @@ class Trainer:
 
     @property
     def logger(self):
-        return self.loggers[0] if self.loggers else None
+        return self._loggers[0] if self._loggers else None
+
+    @logger.setter
+    def logger(self, logger) -> None:
+        # Lightning's setter: a falsy value removes every logger
+        self._loggers = [logger] if logger else []
+
+    @property
+    def loggers(self) -> list:
+        return self._loggers
+
+    @loggers.setter
+    def loggers(self, loggers) -> None:
+        self._loggers = list(loggers) if loggers else []
 
     @property
     def log_dir(self) -> str:
@@ -211,10 +328,20 @@ class Trainer:
 
     @property
     def num_val_batches(self) -> list:
-        return [limited_batches(self.limit_val_batches, len(dl)) for dl in self._val_loaders]
+        return [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in self._val_loaders]
 
     @property
-    def val_check_batch(self) -> int:
+    def num_test_batches(self) -> list:
+        return [num_batches(RunningStage.TESTING, dl, self.limit_test_batches) for dl in self._test_loaders]
+
+    @property
+    def num_predict_batches(self) -> list:
+        return [num_batches(RunningStage.PREDICTING, dl, self.limit_predict_batches) for dl in self._predict_loaders]
+
+    @property
+    def val_check_batch(self):
+        if self._val_check_time_interval is not None:
+            return None  # time-based: Lightning has no batch cadence then
         interval = self.val_check_interval
         if isinstance(interval, int):
             return interval
@@ -247,7 +374,28 @@ class Trainer:
 
     #: no Lightning progress-bar callback: LightningModule.print then prints directly
     progress_bar_callback = None
-    num_nodes = 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self._args.num_nodes
+
+    @property
+    def device_ids(self) -> list:
+        """The device indices of this node, as Lightning lists them: ``[0]`` on the CPU, the
+        launch's local GPU indices on CUDA (one per process: fasttrain runs a device per process)."""
+        per_node = max(self.world_size // self.num_nodes, 1)
+        if per_node == 1:
+            device = self._device if self._runner is not None else _planned_device(self)
+            return [device.index or 0]
+        return list(range(per_node))
+
+    @contextlib.contextmanager
+    def init_module(self, empty_init: Optional[bool] = None):
+        """Lightning's ``with trainer.init_module():``: tensors the block creates go straight to
+        the device the run will use (``empty_init`` is accepted; the weights are initialised
+        either way, as under Lightning's single-device strategies)."""
+        with torch.device(_planned_device(self)):
+            yield
 
     @property
     def precision(self) -> str:
@@ -323,10 +471,8 @@ class Trainer:
         if not self.enable_validation or self.num_sanity_val_steps == 0:
             return 0
         loaders = [loader] if loader is not None else self._val_loaders
-        counts = [limited_batches(self.limit_val_batches, len(dl)) for dl in loaders]
-        if self.num_sanity_val_steps == -1:
-            return max(counts)
-        return min(self.num_sanity_val_steps, max(counts))
+        counts = [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in loaders]
+        return min(self.num_sanity_val_steps, max(counts))  # inf (all batches) when -1 was given
 
     def _step_schedulers(self, interval: str, batch_idx: int, plateau: bool = False) -> None:
         if not self.lr_scheduler_configs or not self._module.automatic_optimization:
@@ -392,6 +538,13 @@ class Trainer:
             {**{k: v for k, v in host.items() if k.endswith(f"/dataloader_idx_{i}")}, **shared}
             for i in range(num_loaders)
         ]
+
+
+def _planned_device(trainer) -> torch.device:
+    """The device a run of ``trainer`` trains on, before a run has placed anything."""
+    if trainer._force_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 class _AcceleratorConnector:
