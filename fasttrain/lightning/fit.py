@@ -478,10 +478,11 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
     try:
         train()
     finally:
-        lt.training = False
         lt._load_train_data = None
+    lt.training = True  # on_fit_end and teardown run in the training stage, as in Lightning
     hooks("on_fit_end")
     _teardown(lt, TrainerFn.FITTING)
+    lt.training = False
 
 
 def _needs_closure(optimizer) -> bool:

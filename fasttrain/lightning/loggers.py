@@ -27,6 +27,12 @@ def build_loggers(logger, root_dir: str) -> list:
             return [CSVLogger(save_dir=root_dir)]
     if isinstance(logger, Logger):
         return [logger]
+    if not hasattr(logger, "__iter__"):
+        # list() of an object with only __getitem__ would index it until an IndexError that
+        # may never come
+        raise TypeError(
+            f"logger must be a Lightning Logger, an iterable of them, True or False; got {type(logger).__name__}"
+        )
     loggers = list(logger)
     for item in loggers:
         if not isinstance(item, Logger):
