@@ -73,6 +73,16 @@ class Recorded(Classifier):
         self.calls.append(("module.teardown", stage))
 
 
+def _watched(trainer, records, tmp_path):
+    """Adds a recording callback and a ModelCheckpoint(save_on_exception=True) that saves only on
+    an exception; returns the trainer's name (its checkpoint folder) and its list of calls."""
+    name = type(trainer).__module__.split(".")[0]
+    calls = records.setdefault(name, [])
+    trainer.callbacks.insert(0, _recorder(calls))
+    trainer.callbacks.append(ModelCheckpoint(dirpath=tmp_path / name, save_on_exception=True, every_n_epochs=0))
+    return name, calls
+
+
 @pytest.fixture
 def sigint_restored():
     # Lightning ignores SIGINT after a KeyboardInterrupt (so a second Ctrl-C cannot cut the shutdown short)
@@ -107,11 +117,7 @@ def test_keyboard_interrupt_reaches_callbacks_and_the_checkpoint_like_lightning(
     records = {}
 
     def action(trainer):
-        name = type(trainer).__module__.split(".")[0]
-        calls = records.setdefault(name, [])
-        trainer.callbacks.insert(0, _recorder(calls))
-        checkpoint = ModelCheckpoint(dirpath=tmp_path / name, save_on_exception=True, every_n_epochs=0)
-        trainer.callbacks.append(checkpoint)
+        name, calls = _watched(trainer, records, tmp_path)
         with pytest.raises(SystemExit):
             trainer.fit(Recorded(calls, fail_in="batch", error=KeyboardInterrupt), loader(DATA, batch_size=8))
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -129,11 +135,7 @@ def test_an_error_reaches_on_exception_and_the_checkpoint_like_lightning(fail_in
     records = {}
 
     def action(trainer):
-        name = type(trainer).__module__.split(".")[0]
-        calls = records.setdefault(name, [])
-        trainer.callbacks.insert(0, _recorder(calls))
-        checkpoint = ModelCheckpoint(dirpath=tmp_path / name, save_on_exception=True, every_n_epochs=0)
-        trainer.callbacks.append(checkpoint)
+        name, calls = _watched(trainer, records, tmp_path)
         try:
             trainer.fit(Recorded(calls, fail_in=fail_in), datamodule=DataModule(calls))
         except RuntimeError as error:
