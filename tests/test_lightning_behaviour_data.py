@@ -93,3 +93,22 @@ def test_a_mid_epoch_resume_sees_lightnings_batches(tmp_path):
     assert [s[:2] for s in reference.seen[:2]] == [(0, 2), (0, 3)]
     assert ours.seen == reference.seen
     assert_same_weights(reference, ours)
+
+
+def test_a_resume_after_an_epoch_sees_lightnings_batches(tmp_path):
+    torch.manual_seed(0)
+    writer = trainers()[0][1](max_epochs=1, **QUIET)
+    writer.fit(Seen(), _shuffled(5))
+    path = tmp_path / "epoch.ckpt"
+    writer.save_checkpoint(path)
+
+    def action(trainer):
+        module = Seen()
+        trainer.fit(module, _shuffled(5), ckpt_path=path)
+        return module
+
+    out = run_both(action, max_epochs=3)
+    reference, ours = out["lightning"], out["fasttrain"]
+    assert [s[:2] for s in reference.seen[:1]] == [(1, 0)] and len(reference.seen) == 8
+    assert ours.seen == reference.seen
+    assert_same_weights(reference, ours)
