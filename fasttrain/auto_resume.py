@@ -61,26 +61,29 @@ def resolve(trainer, resume_from):
             "SaveTrainingStateCallback(save_dir=...) to its callbacks or set "
             "Trainer(interrupt_save_dir=...), or pass the directory of a state as resume_from."
         )
-    chosen = _decided_by_first_process(lambda: checkpointing.find_latest_training_state(*directories))
+    def newest():
+        found = checkpointing.find_latest_training_state(*directories)
+        return None if found is None else os.fspath(found)
+
+    chosen = decided_by_first_process(newest)
     where = ", ".join(map(os.fspath, directories))
     if chosen is None:
         trainer.print(f"No complete training state in {where}: training starts from the beginning.")
     return chosen
 
 
-def _decided_by_first_process(decide) -> Optional[str]:
-    """``decide()`` on the first process, given to every process (one broadcast of a short
-    string), so that no process lists the directory while another is writing to it. An error
-    there is raised on every process, none is left waiting for the answer."""
+def decided_by_first_process(decide):
+    """``decide()`` run on the first process and its value (a path, None, any small picklable
+    value) given to every process, so that no process lists a directory while another writes to
+    it and all take the same decision. An error there is raised on every process: none is left
+    waiting for the answer."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_world_size() == 1:
-        found = decide()
-        return None if found is None else os.fspath(found)
+        return decide()
     answer = [None]
     if torch.distributed.get_rank() == 0:
         try:
-            found = decide()
-            answer[0] = ("found", None if found is None else os.fspath(found))
+            answer[0] = ("found", decide())
         except Exception as e:  # told to the others, then raised here
             answer[0] = ("error", f"{type(e).__name__}: {e}")
             error = e
@@ -89,5 +92,5 @@ def _decided_by_first_process(decide) -> Optional[str]:
     if kind == "error":
         if torch.distributed.get_rank() == 0:
             raise error
-        raise checkpointing.CheckpointError(f"Looking for the newest training state failed on process 0: {value}")
+        raise checkpointing.CheckpointError(f"Choosing the state to resume from failed on process 0: {value}")
     return value

@@ -135,3 +135,11 @@ def test_a_kill_before_any_state_starts_again_from_scratch_and_equals_the_uninte
     run = _launch(tmp_path, mode, "after_step", SAVE_EVERY - 1, kill_rank)
     assert run.killed["rank"] == kill_rank
     _assert_restarted_and_equal(run, None, reference(mode), mode)
+
+
+def test_a_failure_to_choose_the_state_is_raised_on_every_process(reference):
+    """The first process chooses the state and tells the others: when it fails (here its listing
+    raises), the others are told so and raise too, instead of waiting for an answer."""
+    errors = [rank["decision_errors"] for rank in reference("ddp").ranks]
+    assert errors[0][0] == "PermissionError"
+    assert errors[1] == ["CheckpointError", f"Choosing the state to resume from failed on process 0: PermissionError: {errors[0][1]}"]

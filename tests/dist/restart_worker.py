@@ -8,7 +8,8 @@ resume_from="latest")`` with periodic states every 3 steps (2 epochs of 6 batche
 windows of 2: the states after steps 3 and 9 are inside a window). In the first start
 (``TORCHELASTIC_RESTART_COUNT=0``) SCENARIO decides how a process dies:
 
-* ``none``: nobody dies (the uninterrupted reference);
+* ``none``: nobody dies (the uninterrupted reference); afterwards the processes record what
+  each raises when the first one fails to choose a state;
 * ``after_step``: process KILL_RANK is SIGKILLed after training step KILL_STEP;
 * ``during_save``: process 0 is SIGKILLed inside the save of ``step_6``, after every file and
   the manifest were written to the staging folder and before it takes the state's name.
@@ -33,7 +34,7 @@ from datetime import timedelta  # noqa: E402
 from accelerate.utils import FullyShardedDataParallelPlugin, InitProcessGroupKwargs  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from fasttrain import Trainer, checkpointing  # noqa: E402
+from fasttrain import Trainer, auto_resume, checkpointing  # noqa: E402
 from fasttrain.callbacks import SaveTrainingStateCallback, TrainerCallback  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -136,7 +137,23 @@ def main(out: Path, mode: str, scenario: str, kill_step: int, kill_rank: int) ->
         process_group_timeout=torch.distributed.group.WORLD._get_backend(torch.device("cpu")).options._timeout,
         states=sorted(p.name for p in (out / "states").iterdir()),
     )
+    if scenario == "none":
+        result["decision_errors"] = _decision_errors(out)
     torch.save(result, out / f"rank{RANK}.pt")
+
+
+def _decision_errors(out: Path) -> list:
+    """What each process raises when the first process fails to choose the state to resume from
+    (an unreadable state directory): ``(type, message)``."""
+
+    def unreadable():
+        raise PermissionError(f"[Errno 13] Permission denied: '{out / 'states'}'")
+
+    try:
+        auto_resume.decided_by_first_process(unreadable)
+    except Exception as e:  # recorded for the test
+        return [type(e).__name__, str(e)]
+    return [None, ""]
 
 
 if __name__ == "__main__":
