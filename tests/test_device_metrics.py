@@ -114,3 +114,104 @@ def test_two_gloo_processes_compute_over_all_samples(tmp_path):
     assert r0["history"]["eval_samples_epoch"] == [13.0, 13.0]
     assert r0["history"]["eval_accuracy_epoch"][-1] == pytest.approx(r0["expected_accuracy"], abs=1e-7)
     assert r1["history"]["eval_accuracy_epoch"] == r0["history"]["eval_accuracy_epoch"]
+
+
+# ---------------------------------------------------------------------- graphed engine, GPU syncs
+class _FakeTrainer:
+    """What the callback reads of a trainer, with the engine named as the test needs."""
+
+    def __init__(self, engine):
+        self.device = torch.device("cpu")
+        self.active_engine = self.active_eval_engine = engine
+
+
+def _step(cb, trainer, outputs, target):
+    cb.on_train_step_end(trainer, batch=(None, target), batch_output={"model_outputs": outputs})
+
+
+@pytest.mark.parametrize("engine", ["eager", "cudagraph"])
+def test_metrics_that_keep_their_inputs_get_copies_only_under_the_graphed_engine(engine):
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    from host_reads import HostReads
+    from torchmetrics.aggregation import CatMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    cat = CatMetric(nan_strategy="disable")
+    cb = DeviceMetricsCallback({"cat": cat, "acc": MulticlassAccuracy(num_classes=3, validate_args=False)},
+                               phases=("train",), inputs=lambda batch, out: (out["model_outputs"][:, 0],))
+    trainer = _FakeTrainer(engine)
+    cb.on_training_run_start(trainer)
+    cb.phase_metrics["train"]["acc"].update = lambda *args: None  # counters: no input kept
+    outputs = torch.arange(12, dtype=torch.float32).reshape(4, 3)  # a graph's output memory
+    with HostReads() as ops:
+        _step(cb, trainer, outputs, None)
+    first = outputs[:, 0].clone()
+    outputs.fill_(-1.0)  # the next replay writes the same memory
+    _step(cb, trainer, outputs, None)
+    kept = cb.compute("train")["cat"]
+    if engine == "cudagraph":
+        assert torch.equal(kept, torch.cat([first, torch.full((4,), -1.0)]))
+        assert ops.ops["clone"] == 1  # one copy, of what the keeping metric asked for
+    else:
+        # no copy where nothing overwrites the outputs: the metric holds the step's own tensors
+        assert ops.ops["clone"] == 0
+        assert cat.value[0].data_ptr() == outputs.data_ptr()
+
+
+def test_scatter_bincount_counts_as_bincount():
+    from fasttrain.callbacks.sync_free_metrics import scatter_bincount
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 7, (50,), generator=g)
+    weights = torch.rand(50, generator=g)
+    assert torch.equal(scatter_bincount(values, None, 9), torch.bincount(values, minlength=9))
+    torch.testing.assert_close(scatter_bincount(values, weights, 9), torch.bincount(values, weights, minlength=9))
+
+
+def test_on_a_gpu_the_metric_updates_use_no_op_that_syncs(monkeypatch):
+    """torchmetrics' confusion-style updates call torch.bincount, which on CUDA reads the input's
+    range back to the host every step; the callback's updates run without it, with the same
+    values, and name a metric whose update still syncs."""
+    import sys
+    import warnings
+
+    sys.path.insert(0, str(HERE))
+    from host_reads import HostReads
+    from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy, MulticlassF1Score
+
+    from fasttrain.callbacks import device_metrics
+    from fasttrain.callbacks.sync_free_metrics import SYNCING_OPS
+
+    monkeypatch.setattr(device_metrics, "host_reads_matter", lambda device: True)  # as on a GPU
+    def metrics():
+        return {"acc": MulticlassAccuracy(num_classes=4, validate_args=False),
+                "f1": MulticlassF1Score(num_classes=4, average="macro", validate_args=False)}
+    cb = DeviceMetricsCallback(metrics(), phases=("train",))
+    reference = metrics()
+    trainer = _FakeTrainer("compiled")
+    cb.on_training_run_start(trainer)
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(16, 4, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(3)]
+    with HostReads() as seen:
+        for outputs, target in steps:
+            _step(cb, trainer, outputs, target)
+    for outputs, target in steps:
+        for m in reference.values():
+            m.update(outputs, target)
+    assert not SYNCING_OPS & set(seen.ops), sorted(SYNCING_OPS & set(seen.ops))
+    assert seen.reads == 0
+    got = cb.compute("train")
+    for name, m in reference.items():
+        torch.testing.assert_close(got[name], m.compute())
+
+    # a binary metric reads whether its predictions are probabilities, validate_args or not
+    binary = DeviceMetricsCallback({"bin": BinaryAccuracy(validate_args=False)}, phases=("train",))
+    binary.on_training_run_start(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _step(binary, trainer, torch.rand(8, generator=g), torch.randint(0, 2, (8,), generator=g))
+    messages = [str(w.message) for w in caught if "fasttrain:" in str(w.message)]
+    assert len(messages) == 1 and "'bin'" in messages[0] and "aten._local_scalar_dense" in messages[0]

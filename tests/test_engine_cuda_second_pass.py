@@ -219,3 +219,60 @@ def _runs_clean_with(case, **overrides):
         result = run(case, "cudagraph", {"backend": "inductor"}, device="cuda", eval_dataset=None, **overrides)
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     return result
+
+
+# defects 5 and 8 ------------------------------------------------------------------------------
+def _metric_run(engine, metrics, callback_cls=None, phases=("eval",), inputs=None):
+    from fasttrain.callbacks import DeviceMetricsCallback
+
+    torch.manual_seed(0)
+    case = mlp_case(epochs=2)
+    model = case.model().cuda()
+    cb = (callback_cls or DeviceMetricsCallback)(metrics, phases=phases, inputs=inputs)
+    trainer = Trainer(model, case.loss, case.optimizer(model), engine=engine, callbacks=[cb],
+                      compile_options={"backend": "inductor"})
+    data = case.data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(data, 2, eval_dataset=data, per_device_batch_size=8,
+                      train_dataloader_kwargs={"shuffle": False, "num_workers": 0},
+                      eval_dataloader_kwargs={"num_workers": 0})
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    return trainer
+
+
+def test_kept_model_outputs_are_copies_under_the_graphed_engine():
+    from torchmetrics.aggregation import CatMetric
+
+    def metrics():
+        return {"first_logit": CatMetric(nan_strategy="disable")}
+
+    first_logit = lambda batch, out: (out["model_outputs"][:, 0],)  # noqa: E731
+    eager = _metric_run("eager", metrics(), inputs=first_logit)
+    graphed = _metric_run("cudagraph", metrics(), inputs=first_logit)
+    assert graphed._engine._eval_graph is not None
+    names = [n for n in eager.run_history.get_metric_names() if n.startswith("eval_first_logit_")]
+    assert len(names) == 70
+    for name in names:
+        assert graphed.run_history.get_metric_values(name) == pytest.approx(
+            eager.run_history.get_metric_values(name), rel=1e-4, abs=1e-5)
+
+
+def test_the_documented_metrics_update_without_a_sync():
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+    from fasttrain.callbacks import DeviceMetricsCallback
+
+    class NoSyncInUpdates(DeviceMetricsCallback):
+        def on_train_step_end(self, trainer, **kwargs):
+            with sync_mode("error"):
+                super().on_train_step_end(trainer, **kwargs)
+
+        def on_eval_step_end(self, trainer, **kwargs):
+            with sync_mode("error"):
+                super().on_eval_step_end(trainer, **kwargs)
+
+    metrics = {"accuracy": MulticlassAccuracy(num_classes=3, validate_args=False),
+               "f1": MulticlassF1Score(num_classes=3, average="macro", validate_args=False)}
+    for engine in ("eager", "cudagraph"):
+        trainer = _metric_run(engine, {k: v.clone() for k, v in metrics.items()}, NoSyncInUpdates, phases=("train", "eval"))
+        assert len(trainer.run_history.get_metric_values("eval_accuracy_epoch")) == 2

@@ -11,21 +11,44 @@ over every process's samples. :class:`DeviceMetricsCallback` calls ``update`` pe
 Checks inside ``update`` can read device values, a sync per step: classification metrics take
 ``validate_args=False`` to skip theirs (they look at the values of the targets), aggregation
 metrics (``MeanMetric``, ``SumMetric``...) ``nan_strategy="disable"`` (the default looks for NaN).
+On a GPU the updates run under :class:`~fasttrain.callbacks.sync_free_metrics.SyncFreeUpdates`:
+``torch.bincount`` (which reads its input's range back on CUDA) is replaced by a scatter-add, and
+a metric whose update still syncs is named in a warning.
+
+Model outputs are kept only where a metric asks for them: the default inputs pass
+``batch_output["model_outputs"]``, which under the graphed engine lives in graph memory that the
+next replay overwrites. A metric that adds into counters reads it before that replay (stream
+order), so it gets the tensor as it is; a metric that keeps its inputs in lists (``CatMetric``,
+``AUROC`` or ``AveragePrecision`` without thresholds) gets a copy, made only where the graphed
+engine runs the phase.
 """
 
 from __future__ import annotations
 
 import copy
-
+import warnings
 from typing import Callable, Dict, Iterable, Mapping, Optional
 
 import torch
 
 from fasttrain.callbacks.events import TrainerCallback
+from fasttrain.callbacks.sync_free_metrics import SyncFreeUpdates, host_reads_matter
 
 __all__ = ["DeviceMetricsCallback", "default_metric_inputs"]
 
 PHASES = ("train", "eval")
+
+
+def keeps_inputs(metric) -> bool:
+    """Whether ``metric`` keeps its update's tensors (list states, concatenated at compute)
+    rather than adding them into counters."""
+    return any(isinstance(default, list) for default in getattr(metric, "_defaults", {}).values())
+
+
+def inputs_outlive_the_step(engine_name: Optional[str]) -> bool:
+    """Whether a tensor of a step's ``batch_output`` may be overwritten by a later step: under the
+    graphed engine the outputs live in graph memory each replay writes again."""
+    return engine_name == "cudagraph"
 
 
 def default_metric_inputs(batch, batch_output):
@@ -86,6 +109,8 @@ class DeviceMetricsCallback(TrainerCallback):
         self.metrics = self.phase_metrics[phases[0]]
         self._updated = {phase: False for phase in phases}
         self._evaluating = False
+        self._sync_free = False
+        self._warned_syncs = set()
 
     # -- helpers
     def _to_device(self, trainer) -> None:
@@ -94,11 +119,33 @@ class DeviceMetricsCallback(TrainerCallback):
                 metrics[name] = metric.to(trainer.device)
                 metric.reset()
         self._updated = {phase: False for phase in self.phases}
+        self._sync_free = host_reads_matter(trainer.device)
 
-    def _update(self, phase: str, batch, batch_output) -> None:
+    def _update(self, trainer, phase: str, batch, batch_output) -> None:
         args = self.inputs(batch, batch_output)
-        for metric in self.phase_metrics[phase].values():
-            metric.update(*args)  # device work only: adds to the metric's state tensors
+        engine = getattr(trainer, "active_engine" if phase == "train" else "active_eval_engine", None)
+        copied = None
+        for name, metric in self.phase_metrics[phase].items():
+            metric_args = args
+            if keeps_inputs(metric) and inputs_outlive_the_step(engine):
+                if copied is None:  # one copy per step, shared by the metrics that keep it
+                    copied = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+                metric_args = copied
+            if not self._sync_free:
+                metric.update(*metric_args)  # device work only: adds to the metric's state tensors
+                continue
+            with SyncFreeUpdates() as mode:
+                metric.update(*metric_args)
+            if mode.synced and name not in self._warned_syncs:
+                self._warned_syncs.add(name)
+                warnings.warn(
+                    f"fasttrain: the update of metric {name!r} reads device values on the host "
+                    f"({', '.join(sorted(set(mode.synced)))}), a synchronisation every step. Pass "
+                    "validate_args=False (classification) or nan_strategy='disable' (aggregation), "
+                    "or compute this metric from values kept another way.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         self._updated[phase] = True
 
     def compute(self, phase: Optional[str] = None) -> Dict[str, torch.Tensor]:
@@ -128,11 +175,11 @@ class DeviceMetricsCallback(TrainerCallback):
 
     def on_train_step_end(self, trainer, batch, batch_output, **kwargs):
         if "train" in self._updated:
-            self._update("train", batch, batch_output)
+            self._update(trainer, "train", batch, batch_output)
 
     def on_eval_step_end(self, trainer, batch, batch_output, **kwargs):
         if "eval" in self._updated:
-            self._update("eval", batch, batch_output)
+            self._update(trainer, "eval", batch, batch_output)
 
     def on_train_epoch_end(self, trainer, **kwargs):
         self._record(trainer, "train", "train_", "_epoch")
