@@ -14,18 +14,21 @@ import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.loops.utilities import _parse_loop_limits
-from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches
+from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches, _worker_check
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.model_summary import summarize
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.seed import isolate_rng
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
@@ -126,6 +129,23 @@ def _overfit(lt, loader, stage: RunningStage):
     holder = SimpleNamespace(flattened=[loader])
     _resolve_overfit_batches(holder, stage)
     return holder.flattened[0]
+
+
+def _process_loader(lt, loader, stage: RunningStage):
+    """What Lightning checks and sets on every loader it is given: its warnings for a shuffling
+    evaluation loader and for few (or non-persistent spawned) workers, and, outside a fit, the
+    sampler's epoch (a fit sets it in its loops)."""
+    name = f"{stage.dataloader_prefix}_dataloader"
+    if stage is not RunningStage.TRAINING and _is_dataloader_shuffled(loader):
+        rank_zero_warn(
+            f"Your `{name}`'s sampler has shuffling enabled,"
+            " it is strongly recommended that you turn shuffling off for val/test dataloaders.",
+            category=PossibleUserWarning,
+        )
+    _worker_check(lt, loader, name)
+    if lt.state.fn != TrainerFn.FITTING:
+        _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
+    return loader
 
 
 def _prepare_data(lt) -> None:
@@ -327,7 +347,7 @@ def _load_train_data(lt, given, processes: int) -> None:
         raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
     if isinstance(train_loader, (list, tuple, dict)):
         raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
-    train_loader = _overfit(lt, train_loader, RunningStage.TRAINING)
+    train_loader = _process_loader(lt, _overfit(lt, train_loader, RunningStage.TRAINING), RunningStage.TRAINING)
     # accelerate gives each process every world-th batch (padded to the same count), so the
     # per-process count is known before the loaders are prepared
     lt.num_training_batches = num_batches(RunningStage.TRAINING, train_loader, lt.limit_train_batches, processes)
@@ -347,7 +367,7 @@ def _load_val_data(lt, given) -> None:
     module = lt.lightning_module
     wanted = lt._has_val_step and lt.limit_val_batches != 0
     loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
-    loaders = [_overfit(lt, dl, RunningStage.VALIDATING) for dl in loaders]
+    loaders = [_process_loader(lt, _overfit(lt, dl, RunningStage.VALIDATING), RunningStage.VALIDATING) for dl in loaders]
     for dl in loaders:
         num_batches(RunningStage.VALIDATING, dl, lt.limit_val_batches)  # Lightning's checks of the limit
     lt._val_reloaded_epoch = lt.current_epoch
@@ -538,6 +558,8 @@ def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
     loaders = _as_list(_loader(lt, dataloaders, hook))
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
+    running = RunningStage.TESTING if stage == "test" else RunningStage.VALIDATING
+    loaders = [_process_loader(lt, dl, running) for dl in loaders]
     if stage == "test":
         lt._test_loaders = loaders
     else:
@@ -566,6 +588,7 @@ def _predict(lt, dataloaders, ckpt_path, weights_only) -> list:
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
+    loaders = [_process_loader(lt, dl, RunningStage.PREDICTING) for dl in loaders]
     lt._predict_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)

@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.seed import isolate_rng
 
@@ -120,9 +121,7 @@ def run_fit(lt, runner) -> None:
         if _reload_due(lt, lt._train_reloaded_epoch):
             lt._reload_train_data()
         loader = lt._train_loader
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        _set_sampler_epoch(loader, epoch)
         num_batches = lt.num_training_batches
         # not reset here: values logged in on_train_start count in the first epoch, as in
         # Lightning (the store is reset when a run starts and after each epoch's metrics)
@@ -340,6 +339,10 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
         # sanity check (ModelCheckpoint only warns about a missing monitored value until then)
         val_loop._has_run = False
     mode = [m.training for m in module.modules()]
+    if fitting:
+        # Lightning sets the evaluation samplers' epoch in a fit (some shuffle by training progress)
+        for loader in loaders:
+            _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
     # as in Lightning, the first loader's iterator exists before the hooks, the others' are
     # created when their turn comes, and no batch is requested past a loader's count
     first_iterator = iter(loaders[0]) if loaders else None
@@ -423,7 +426,7 @@ def run_predict(lt, runner, loaders) -> list:
                 batch = transfer(lt, batch, loader_idx)
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
                 module._current_fx_name = "predict_step"
-                output = runner.model("predict_step", batch, batch_idx, *extra)
+                output = runner.model("predict_step", *runner.step_args("predict_step", batch, batch_idx, *extra))
                 module._current_fx_name = None
                 hooks("on_predict_batch_end", output, batch, batch_idx, *extra)
                 predictions.append(output)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
@@ -71,6 +72,19 @@ class ModuleRunner(FasttrainTrainer):
         eager = getattr(self._engine, "name", None) == "eager"
         self.step_log = step_logger(self.lt.lightning_module, self.lt) if eager else None
         self._full_precision = self._accelerator.mixed_precision == "no"
+        # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
+        module = self.lt.lightning_module
+        self._takes_batch_idx = {
+            name: is_param_in_hook_signature(getattr(module, name), "batch_idx", min_args=2)
+            for name in ("training_step", "validation_step", "test_step", "predict_step")
+            if callable(getattr(module, name, None))
+        }
+
+    def step_args(self, name: str, batch, batch_idx: int, *extra) -> tuple:
+        """The positional arguments of step ``name``, as Lightning builds them."""
+        if self._takes_batch_idx.get(name, True):
+            return (batch, batch_idx, *extra)
+        return (batch, *extra)
 
     def train(
         self,
@@ -137,7 +151,7 @@ class ModuleRunner(FasttrainTrainer):
         return output
 
     def calculate_train_batch_loss(self, batch) -> dict:
-        output = self.run_step("training_step", batch, self.batch_idx)
+        output = self.run_step("training_step", *self.step_args("training_step", batch, self.batch_idx))
         if isinstance(output, torch.Tensor):
             loss = output
         elif isinstance(output, dict) and "loss" in output:
@@ -221,8 +235,10 @@ class ModuleRunner(FasttrainTrainer):
     def calculate_eval_batch_loss(self, batch) -> dict:
         lt = self.lt
         if lt._eval_dataloader_idx is None:
-            return self.run_step(lt._eval_step_name, batch, self.batch_idx)
-        return self.run_step(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
+            return self.run_step(lt._eval_step_name, *self.step_args(lt._eval_step_name, batch, self.batch_idx))
+        return self.run_step(
+            lt._eval_step_name, *self.step_args(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
+        )
 
 
 def _sized(loader) -> bool:

@@ -497,7 +497,8 @@ class Trainer:
             self._hooks.module_hook("lr_scheduler_step", config.scheduler, monitor_value)
 
     def _manual_step(self, batch, batch_idx: int) -> dict:
-        output = self._runner.run_step("training_step", batch, batch_idx)
+        runner = self._runner
+        output = runner.run_step("training_step", *runner.step_args("training_step", batch, batch_idx))
         if isinstance(output, torch.Tensor):
             return {"loss": output.detach()}
         if isinstance(output, dict):
