@@ -73,6 +73,18 @@ def torchrun_two(script: Path, *args, max_restarts: int = 0) -> list:
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+def run_restartable(script: Path, out: Path, *args, max_restarts: int, timeout_s: float, what: str) -> float:
+    """``script out *args`` in two CPU processes that torchrun starts again up to
+    ``max_restarts`` times (its log in ``out/launch.log``); fails the test unless it ends with
+    0 within ``timeout_s``. Returns the seconds it took. A hang is not started again: a second
+    launch would find the first one's states."""
+    started = time.monotonic()
+    launch = start(torchrun_two(script, out, *args, max_restarts=max_restarts), out / "launch.log",
+                   launch_env(ACCELERATE_USE_CPU="1", **RESTART_ENV))
+    finish(launch, started + timeout_s, what)
+    return time.monotonic() - started
+
+
 def run_two_and_one(worker: Path, out: Path, env, timeout_s: float) -> dict:
     """``worker out`` under torchrun in two processes and, side by side, in one plain process (the
     references); fails the test unless both succeed within ``timeout_s`` (a hang is retried once).

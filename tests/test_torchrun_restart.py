@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "dist"))
 
-from launching import RESTART_ENV, finish, launch_env, start, torchrun_two  # noqa: E402
+from launching import run_restartable  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,20 +40,14 @@ STEPS, SAVE_EVERY = 12, 3
 
 def _launch(out: Path, mode: str, scenario: str, kill_step: int = 0, kill_rank: int = 0) -> types.SimpleNamespace:
     out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
     restarts = 0 if scenario == "none" else 1
-    launch = start(
-        torchrun_two(WORKER, out, mode, scenario, kill_step, kill_rank, max_restarts=restarts),
-        out / "launch.log",
-        launch_env(ACCELERATE_USE_CPU="1", **RESTART_ENV),
-    )
-    # not started again on a hang: a second launch would find the first one's states
-    finish(launch, started + LAUNCH_TIMEOUT_S, f"torchrun --max-restarts {restarts} ({mode}, {scenario})")
+    seconds = run_restartable(WORKER, out, mode, scenario, kill_step, kill_rank, max_restarts=restarts,
+                              timeout_s=LAUNCH_TIMEOUT_S, what=f"torchrun --max-restarts {restarts} ({mode}, {scenario})")
     killed = out / "killed.pt"
     return types.SimpleNamespace(
         ranks=[torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)],
         killed=torch.load(killed, weights_only=False) if killed.exists() else None,
-        seconds=time.monotonic() - started,
+        seconds=seconds,
     )
 
 
