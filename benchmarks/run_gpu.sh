@@ -1,51 +1,78 @@
 #!/usr/bin/env bash
-# Everything fasttrain checks and measures on a GPU, from a bare copy of the repository.
+# Everything fasttrain checks and measures on a GPU, one part per invocation, from a bare copy of
+# the repository. Every part ends within 9 minutes from cold compile caches.
 #
-#   bash benchmarks/run_gpu.sh --wheels /path/to/wheels --part check   # invocation 1 (< 9 min)
-#   bash benchmarks/run_gpu.sh --wheels /path/to/wheels --part bench   # invocation 2 (< 9 min)
-#   bash benchmarks/run_gpu.sh --device cpu --tiny                     # the CPU mode (minutes)
+#   bash benchmarks/run_gpu.sh --wheels .whl --part check "$OUT"     # on the GPU machine
+#   bash benchmarks/run_gpu.sh --device cpu --tiny --part bench /tmp/run   # the CPU mode
+#   python3 benchmarks/write_result.py --merge DIR... --results benchmarks/results
+#
+# OUT (the one argument) is the folder the results go to; it must lie outside the working copy
+# and is created if missing. Nothing is written under the working copy (the installed wheels,
+# logs and every step's raw output go to a scratch folder under $TMPDIR). OUT receives at most
+# five files, rewritten after every step so that a part cut short keeps the steps it finished:
+#   result.md   the result file (the content of benchmarks/results/<date>-<gpu>.md)
+#   run.json    the same as data; write_result.py --merge joins several parts' folders
+#   run.log     the end of every step's log
+#   bench.csv   one row per peer and workload (bench steps)
+#   check.csv   one row per engine run (check steps)
 #
 # Options:
+#   --part PART         tests | check | check-gpt | bench | bench-gpt | all (default all)
+#                       tests:     pytest -m gpu
+#                       check:     engine checks (benchmarks/gpu_check.py) on mlp and convnet
+#                       check-gpt: engine checks on gpt and the transformers GPT-2 (hf-gpt2)
+#                       bench:     fasttrain bench on mlp and convnet, fused clip, loss gathering
+#                       bench-gpt: fasttrain bench on GPT-2 124M and transformers GPT-2 124M
 #   --device cuda|cpu   default cuda; cpu runs every step at CPU sizes (no speed claims)
-#   --part check|bench|all
-#                       check: set-up, `pytest -m gpu`, engine checks (benchmarks/gpu_check.py)
-#                       bench: the bench tables of the three workloads with every peer, and the
-#                              fused-clip and loss-gathering kernel benchmarks.  all (default): both, one after the other
-#   --out DIR           logs and results (default bench_out/<device>-<date>-<gpu>); give both
-#                       invocations the same folder (the default does, on the same day)
-#   --wheels DIR        a folder of wheels (pytorch-accelerated 0.1.61), installed without a registry
-#                       into OUT/site, which is put on PYTHONPATH
-#   --results DIR       where the dated result file goes (default benchmarks/results; cpu: none)
-#   --tiny              the smallest sizes and the aot_eager compile backend (what CI runs)
+#   --wheels DIR        wheels (pytorch-accelerated 0.1.61) installed without a registry, before
+#                       anything is checked, into the scratch folder, which goes on PYTHONPATH
+#   --tiny              the smallest sizes and the aot_eager backend for the checks (CI)
+#   --gpu-sizes         with --device cpu: the GPU run's sizes, to measure on a CPU what a GPU
+#                       run compiles (steps too large for a CPU run out of their time)
 #   -- ARGS             passed on to every `fasttrain bench` call
 #
-# Every step runs under its own time limit (the *_LIMIT_S constants below) so one invocation ends
-# within 9 minutes; a step that fails or runs out of time is recorded and makes the exit status 1.
-# Exit status 2: the machine is not set up (one line says what is missing).
+# Every step runs under its own time limit (LIMIT_S below; RUN_GPU_LIMIT_S_<STEP> overrides
+# one, e.g. RUN_GPU_LIMIT_S_BENCH_GPT=300). A step that fails or runs out of time is recorded
+# and the next one runs; the exit status is then 1. Exit status 2: bad options, or the machine
+# is not set up (one line says what is missing).
 set -uo pipefail
 
-# seconds per step on CUDA; each part's steps add up to at most 510 s
-PYTEST_LIMIT_S=200
-CHECK_LIMIT_S=310
-BENCH_MLP_LIMIT_S=110
-BENCH_GPT_LIMIT_S=220
-BENCH_CONVNET_LIMIT_S=120
-CLIP_LIMIT_S=45
-LOSS_ACCUM_LIMIT_S=15
-# the CPU mode's limits are these times as long
+# Seconds per step on CUDA. Each part's limits add up to at most 450 s, so with set-up (at most
+# SETUP_LIMIT_S) a part ends within 8.5 minutes even when every step runs out of time.
+declare -A LIMIT_S=(
+    [pytest-gpu]=450
+    [check-mlp]=180 [check-convnet]=270
+    [check-gpt]=240 [check-hf-gpt2]=210
+    [bench-mlp]=150 [bench-convnet]=180 [bench-clip]=80 [bench-loss-accum]=40
+    [bench-gpt]=240 [bench-hf-gpt2]=210
+)
+SETUP_LIMIT_S=60
+PARTS=(tests check check-gpt bench bench-gpt)
+# the part each step belongs to (filled below), recorded beside the step
+declare -A STEP_PART=()
+part_steps() {
+    case $1 in
+        tests) echo pytest-gpu ;;
+        check) echo check-mlp check-convnet ;;
+        check-gpt) echo check-gpt check-hf-gpt2 ;;
+        bench) echo bench-mlp bench-convnet bench-clip bench-loss-accum ;;
+        bench-gpt) echo bench-gpt bench-hf-gpt2 ;;
+    esac
+}
+# the CPU mode's limits are these times as long (inductor compiles for minutes on a small host)
 CPU_LIMIT_FACTOR=3
 # the bench's repeats on CUDA: enough for a median with a range, within the limits above
 BENCH_REPEATS=3
 
 cd "$(dirname "$0")/.."
-REPO=$(pwd)
+REPO=$(pwd -P)
 PY=${PYTHON:-python3}
 DEVICE=cuda
 PART=all
-OUT=""
+DEST=""
 WHEELS=""
-RESULTS=""
 TINY=0
+GPU_SIZES=0
 BENCH_EXTRA=()
 COMMAND="bash benchmarks/run_gpu.sh $*"
 
@@ -55,17 +82,27 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=${2:-}; shift 2 ;;
         --part) PART=${2:-}; shift 2 ;;
-        --out) OUT=${2:-}; shift 2 ;;
         --wheels) WHEELS=${2:-}; shift 2 ;;
-        --results) RESULTS=${2:-}; shift 2 ;;
         --tiny) TINY=1; shift ;;
+        --gpu-sizes) GPU_SIZES=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) die "unknown option $1 (see --help)" ;;
+        -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) die "unknown option $1 (see --help)" ;;
+        *) [ -z "$DEST" ] || die "one output folder only (got '$DEST' and '$1')"; DEST=$1; shift ;;
     esac
 done
 case "$DEVICE" in cuda|cpu) ;; *) die "--device must be cuda or cpu, not '$DEVICE'" ;; esac
-case "$PART" in check|bench|all) ;; *) die "--part must be check, bench or all, not '$PART'" ;; esac
+case " ${PARTS[*]} all " in *" $PART "*) ;; *) die "--part must be one of ${PARTS[*]} all, not '$PART'" ;; esac
+[ "$TINY$GPU_SIZES" != 11 ] || die "--tiny and --gpu-sizes exclude each other"
+[ -n "$DEST" ] || die "give the output folder as the argument (on the GPU machine: \"\$OUT\")"
+# checked before it is created: nothing may be written under the working copy
+DEST=$(realpath -m -- "$DEST")
+case "$DEST/" in "$REPO"/*) die "the output folder $DEST lies inside the working copy; give one outside it" ;; esac
+mkdir -p "$DEST" 2>/dev/null || die "cannot create the output folder $DEST"
+if [ -n "$WHEELS" ]; then
+    [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such folder; give the folder holding the .whl files"
+    WHEELS=$(cd "$WHEELS" && pwd -P)
+fi
 
 "$PY" -c "import torch" 2>/dev/null || die "torch is not importable by $PY (set PYTHON=/path/to/python)"
 if [ "$DEVICE" = cuda ]; then
@@ -74,46 +111,78 @@ if [ "$DEVICE" = cuda ]; then
         || die "torch sees no CUDA device (a CPU build of torch, or no driver)"
     # the test suite's conftest interprets Triton kernels only when no GPU is present; never time them so
     unset TRITON_INTERPRET
-    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 else
-    GPU=cpu
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     export TRITON_INTERPRET=1
-    # inductor compiles for minutes on a small CPU host; the CPU mode checks that everything runs
-    for limit in PYTEST_LIMIT_S CHECK_LIMIT_S BENCH_MLP_LIMIT_S BENCH_GPT_LIMIT_S BENCH_CONVNET_LIMIT_S CLIP_LIMIT_S LOSS_ACCUM_LIMIT_S; do
-        printf -v "$limit" '%s' $(( ${!limit} * CPU_LIMIT_FACTOR ))
-    done
 fi
-SLUG=$(printf '%s' "$GPU" | tr -cs 'A-Za-z0-9' '-' | sed 's/^-//; s/-$//' | tr 'A-Z' 'a-z')
-OUT=${OUT:-bench_out/$DEVICE-$(date -u +%Y-%m-%d)-$SLUG}
-mkdir -p "$OUT/logs" || die "cannot create --out $OUT"
-OUT=$(cd "$OUT" && pwd)
-[ -z "$RESULTS" ] && [ "$DEVICE" = cuda ] && RESULTS="$REPO/benchmarks/results"
+
+# Everything but OUT's files goes here: installed wheels, raw step outputs, full logs, and the
+# compile caches (fresh for every invocation, as on the GPU machine, unless set outside).
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/fasttrain-gpu-run.XXXXXX") || die "cannot create a scratch folder under ${TMPDIR:-/tmp}"
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$SCRATCH/inductor-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}
+# the caches can take hundreds of MB; the logs stay for a look afterwards
+trap 'rm -rf "$SCRATCH/inductor-cache" "$SCRATCH/triton-cache" "$SCRATCH/site"' EXIT
+# no bytecode caches in the working copy
+export PYTHONDONTWRITEBYTECODE=1
+mkdir -p "$SCRATCH/logs" "$SCRATCH/steps"
 
 SETUP_ARGS=(--device "$DEVICE")
 if [ -n "$WHEELS" ]; then
-    SETUP_ARGS+=(--wheels "$WHEELS" --target "$OUT/site")
-    export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
+    SETUP_ARGS+=(--wheels "$WHEELS" --target "$SCRATCH/site")
+    export PYTHONPATH="$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PY" benchmarks/setup_env.py "${SETUP_ARGS[@]}" || exit 2
-echo "$COMMAND" >>"$OUT/commands.txt"
+timeout --kill-after=10 "$SETUP_LIMIT_S" "$PY" benchmarks/setup_env.py "${SETUP_ARGS[@]}" 2>"$SCRATCH/logs/setup.log"
+rc=$?
+if [ $rc -ne 0 ]; then
+    cat "$SCRATCH/logs/setup.log" >&2
+    [ $rc -eq 124 ] && echo "run_gpu.sh: set-up ran out of its ${SETUP_LIMIT_S}s" >&2
+    exit 2
+fi
+cat "$SCRATCH/logs/setup.log" >&2
+
+STEPS=()
+for p in "${PARTS[@]}"; do
+    for name in $(part_steps "$p"); do
+        STEP_PART[$name]=$p
+        if [ "$PART" = all ] || [ "$PART" = "$p" ]; then STEPS+=("$name"); fi
+    done
+done
+
+collect() {
+    "$PY" benchmarks/write_result.py --work "$SCRATCH" --out "$DEST" --device "$DEVICE" --command "$COMMAND" >>"$SCRATCH/logs/write_result.log" 2>&1
+}
+# the result file exists from the start, naming the set-up, so even a part killed in its first
+# step leaves one
+collect || die "writing the result file failed: $(tail -n 1 "$SCRATCH/logs/write_result.log")"
 
 FAILED=0
-# step NAME LIMIT_S COMMAND...: runs with a time limit, logs to $OUT/logs/NAME.log
+# step NAME COMMAND...: runs with NAME's time limit, logs to the scratch folder, then rewrites
+# OUT's files, so the step's result is there before the next step starts
 step() {
-    local name=$1 limit=$2
-    shift 2
-    local log="$OUT/logs/$name.log" start rc
+    local name=$1
+    shift
+    local var="RUN_GPU_LIMIT_S_$(printf '%s' "$name" | tr 'a-z-' 'A-Z_')"
+    local limit=${!var:-${LIMIT_S[$name]}}
+    [ "$DEVICE" = cpu ] && [ -z "${!var:-}" ] && limit=$(( limit * CPU_LIMIT_FACTOR ))
+    local log="$SCRATCH/logs/$name.log" start rc
     echo "== $name (limit ${limit}s): $*" >&2
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    # the CPU seconds of the step's processes beside the wall time: on a shared host the wall
+    # time says more about the neighbours than about the step
+    local TIMEFORMAT='%U %S'
+    { time timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1; } 2>"$SCRATCH/cpu-time"
     rc=$?
-    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$log" >>"$OUT/steps.tsv"
+    local cpu
+    cpu=$(awk '{ printf "%.0f", $1 + $2 }' "$SCRATCH/cpu-time" 2>/dev/null)
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" "${STEP_PART[$name]}" "${cpu:-}" \
+        >>"$SCRATCH/steps.tsv"
     if [ $rc -ne 0 ]; then
         FAILED=1
-        echo "   $name: exit $rc, see $log" >&2
+        echo "   $name: exit $rc" >&2
         tail -n 5 "$log" >&2
     fi
+    collect || { FAILED=1; echo "   writing the result file failed: $(tail -n 1 "$SCRATCH/logs/write_result.log")" >&2; }
     return 0
 }
 
@@ -121,47 +190,52 @@ if [ "$TINY" = 1 ]; then
     CHECK_SIZE=(--tiny --compile-backend aot_eager)
     CLIP_SIZE=(--tiny)
     BENCH_SIZE=(--steps 4 --warmup 2 --repeats 1)
-    MLP=(--workload mlp --size tiny --batch-size 8)
-    GPT=(--workload gpt --size tiny --batch-size 2)
-    CONVNET=(--workload convnet --size tiny --batch-size 8)
-elif [ "$DEVICE" = cpu ]; then
+    declare -A BENCH=(
+        [mlp]="--size tiny --batch-size 8" [convnet]="--size tiny --batch-size 8"
+        [gpt]="--size tiny --batch-size 2" [hf-gpt2]="--size tiny --batch-size 2"
+    )
+elif [ "$DEVICE" = cpu ] && [ "$GPU_SIZES" = 0 ]; then
     CHECK_SIZE=()
     CLIP_SIZE=(--tiny)
     BENCH_SIZE=(--steps 20 --warmup 5 --repeats 3)
-    MLP=(--workload mlp --size small --batch-size 64)
-    GPT=(--workload gpt --size tiny --batch-size 8)
-    CONVNET=(--workload convnet --size tiny --batch-size 32)
+    declare -A BENCH=(
+        [mlp]="--size small --batch-size 64" [convnet]="--size tiny --batch-size 32"
+        [gpt]="--size tiny --batch-size 8" [hf-gpt2]="--size tiny --batch-size 8"
+    )
 else
-    CHECK_SIZE=()
+    CHECK_SIZE=(--sizes cuda)
     CLIP_SIZE=()
     BENCH_SIZE=(--repeats "$BENCH_REPEATS")
-    MLP=(--workload mlp --size small --batch-size 64 --precision fp32)
-    GPT=(--workload gpt --size 124m --batch-size 16 --precision bf16)
-    CONVNET=(--workload convnet --size small --channels-last)
+    declare -A BENCH=(
+        [mlp]="--size small --batch-size 64 --precision fp32" [convnet]="--size small --channels-last"
+        [gpt]="--size 124m --batch-size 16 --precision bf16" [hf-gpt2]="--size 124m --batch-size 16 --precision bf16"
+    )
 fi
-ALL_PEERS=bare,compiled,cudagraph,pytorch-accelerated,lightning,fasttrain-lightning,fasttrain-eager,fasttrain-compiled,fasttrain-cudagraph
+ALL_PEERS=bare,compiled,compiled-model,cudagraph,pytorch-accelerated,lightning,fasttrain-lightning,fasttrain-eager,fasttrain-compiled,fasttrain-cudagraph
 
-if [ "$PART" = check ] || [ "$PART" = all ]; then
-    # rc 5 (nothing collected) cannot happen: the gpu-marked tests exist and are collected
-    step pytest-gpu "$PYTEST_LIMIT_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider tests
-    step gpu-check "$CHECK_LIMIT_S" "$PY" benchmarks/gpu_check.py --device "$DEVICE" --out "$OUT/check" "${CHECK_SIZE[@]}"
-fi
-if [ "$PART" = bench ] || [ "$PART" = all ]; then
-    for spec in mlp gpt convnet; do
-        case $spec in
-            mlp) args=("${MLP[@]}"); limit=$BENCH_MLP_LIMIT_S ;;
-            gpt) args=("${GPT[@]}"); limit=$BENCH_GPT_LIMIT_S ;;
-            convnet) args=("${CONVNET[@]}"); limit=$BENCH_CONVNET_LIMIT_S ;;
-        esac
-        step "bench-$spec" "$limit" "$PY" -m fasttrain.cli bench --device "$DEVICE" --no-progress \
-            --peers "$ALL_PEERS" --out "$OUT" --force "${args[@]}" "${BENCH_SIZE[@]}" "${BENCH_EXTRA[@]}"
-    done
-    step bench-clip "$CLIP_LIMIT_S" "$PY" benchmarks/kernels/bench_clip.py --device "$DEVICE" --out "$OUT" "${CLIP_SIZE[@]}"
-    step bench-loss-accum "$LOSS_ACCUM_LIMIT_S" "$PY" benchmarks/kernels/bench_loss_accum.py --device "$DEVICE" --out "$OUT" "${CLIP_SIZE[@]}"
-fi
+for name in "${STEPS[@]}"; do
+    folder="$SCRATCH/steps/$name"
+    mkdir -p "$folder"
+    case $name in
+        pytest-gpu)
+            # every test module is collected (-m filters afterwards); one whose package is
+            # missing here is skipped by its importorskip, never a collection error
+            step "$name" "$PY" -m pytest -m gpu -q -p no:cacheprovider tests ;;
+        check-*)
+            step "$name" "$PY" benchmarks/gpu_check.py --device "$DEVICE" --workloads "${name#check-}" \
+                --out "$folder" "${CHECK_SIZE[@]}" ;;
+        bench-clip)
+            step "$name" "$PY" benchmarks/kernels/bench_clip.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}" ;;
+        bench-loss-accum)
+            step "$name" "$PY" benchmarks/kernels/bench_loss_accum.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}" ;;
+        bench-*)
+            workload=${name#bench-}
+            # shellcheck disable=SC2206  # the size options are words
+            size=(${BENCH[$workload]})
+            step "$name" "$PY" -m fasttrain.cli bench --device "$DEVICE" --no-progress --peers "$ALL_PEERS" \
+                --out "$folder" --force --workload "$workload" "${size[@]}" "${BENCH_SIZE[@]}" "${BENCH_EXTRA[@]}" ;;
+    esac
+done
 
-RESULT_ARGS=(--out "$OUT" --device "$DEVICE")
-[ -n "$RESULTS" ] && RESULT_ARGS+=(--results "$RESULTS")
-"$PY" benchmarks/write_result.py "${RESULT_ARGS[@]}" || FAILED=1
-echo "results: $OUT/result.md" >&2
+echo "results: $DEST/result.md (scratch: $SCRATCH)" >&2
 exit $FAILED

@@ -8,7 +8,8 @@ installed. This script checks the packages the GPU run needs, installs this copy
 ``pip install --no-deps --no-build-isolation -e .`` when ``import fasttrain.kernels`` does not
 resolve to it (setuptools is the only build requirement, and nothing is downloaded), and installs
 the wheels of ``--wheels DIR`` (pytorch-accelerated 0.1.61, say) into ``--target`` with
-``pip install --no-index --no-deps --target``; put ``--target`` on ``PYTHONPATH`` afterwards.
+``pip install --no-index --no-deps --target``, before anything is checked (a carried wheel
+counts as present); put ``--target`` on ``PYTHONPATH`` afterwards.
 
 Exit status 0: ready. Otherwise one line on stderr says what is missing and what to do.
 """
@@ -39,7 +40,8 @@ REQUIRED: Dict[str, str] = {
 REQUIRED_CUDA: Dict[str, str] = {"triton": "triton", "pynvml": "nvidia-ml-py"}
 #: peers and figures that are reported unavailable when missing, not fatal
 OPTIONAL: Dict[str, str] = {
-    "pytorch_accelerated": "pytorch-accelerated (pass --wheels DIR)",
+    "pytorch_accelerated": "pytorch-accelerated (carry its wheel: --wheels DIR)",
+    "transformers": "transformers",
     "lightning": "lightning",
     "matplotlib": "matplotlib",
     "pytest_benchmark": "pytest-benchmark",
@@ -144,14 +146,8 @@ def ensure_fasttrain(check_only: bool, extra_path: Optional[str] = None) -> str:
 
 
 def setup(device: str, wheels: Optional[str], target: Optional[str], check_only: bool) -> List[str]:
-    """Check and install; returns notes for the log, raises SetupError with the one line to show."""
-    need = dict(REQUIRED, **(REQUIRED_CUDA if device == "cuda" else {}))
-    absent = missing(need)
-    if absent:
-        raise SetupError(
-            f"missing Python packages: {', '.join(absent)} (install them for {sys.executable}; "
-            "without a registry, bring their wheels)"
-        )
+    """Install the carried wheels, then check; returns notes for the log, raises SetupError with
+    the one line to show. The wheels come first: a package they carry counts as present."""
     notes = []
     if wheels:
         if target is None:
@@ -163,6 +159,13 @@ def setup(device: str, wheels: Optional[str], target: Optional[str], check_only:
             notes.append(f"installed {len(wheel_files(wheels))} wheel(s) from {wheels} into {target}")
         sys.path.insert(0, target)
         importlib.invalidate_caches()
+    need = dict(REQUIRED, **(REQUIRED_CUDA if device == "cuda" else {}))
+    absent = missing(need)
+    if absent:
+        raise SetupError(
+            f"missing Python packages: {', '.join(absent)} (install them for {sys.executable}; "
+            "without a registry, carry their wheels in the --wheels folder)"
+        )
     notes.append(ensure_fasttrain(check_only, target if wheels else None))
     optional = missing(OPTIONAL)
     if optional:

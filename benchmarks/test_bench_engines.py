@@ -28,6 +28,7 @@ WORKLOADS = {
     "mlp": {"size": "tiny", "batch_size": 64},
     "convnet": {"size": "tiny", "batch_size": 64},
     "gpt": {"size": "tiny", "batch_size": 8},
+    "hf-gpt2": {"size": "tiny", "batch_size": 8},
 }
 
 

@@ -22,10 +22,13 @@ _SCHEDULES = {
     ("mlp", "cpu"): (150, 10, 5),
     ("convnet", "cpu"): (8, 2, 3),
     ("gpt", "cpu"): (100, 10, 3),
+    ("hf-gpt2", "cpu"): (100, 10, 3),
     ("mlp", "cuda"): (500, 50, 5),
     ("convnet", "cuda"): (100, 20, 5),
     ("gpt", "cuda"): (100, 20, 3),
+    ("hf-gpt2", "cuda"): (100, 20, 3),
 }
+#: GPT-2 124M (either implementation) on CUDA
 _GPT_124M_CUDA = (40, 10, 3)
 
 
@@ -79,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     b.set_defaults(subparser=b)
-    b.add_argument("--workload", choices=WORKLOADS, default="mlp", help="synthetic workload")
+    b.add_argument("--workload", choices=WORKLOADS, default="mlp",
+                   help="synthetic workload (hf-gpt2: transformers' GPT2LMHeadModel from a config, "
+                   "needs pip install transformers)")
     sizes = sorted({s for table in SIZES.values() for s in table})
     b.add_argument("--size", choices=sizes, default=None,
-                   help="model size (default: tiny for mlp and gpt, small for convnet; 124m is gpt only)")
+                   help="model size (default: tiny for mlp, gpt and hf-gpt2 on the CPU, 124m for hf-gpt2 on "
+                   "CUDA, small for convnet; 124m is for gpt and hf-gpt2 only)")
     batches = ", ".join(
         f"{w} {DEFAULT_BATCH_CPU[w]} (CPU) / {DEFAULT_BATCH[w]} (CUDA)" for w in WORKLOADS
     )
@@ -169,7 +175,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
     from fasttrain.bench.peers import resolve_peers
     from fasttrain.bench.report import existing_reports, format_table, summarize, write_reports
     from fasttrain.bench.runner import run_benchmark
-    from fasttrain.bench.workloads import DEFAULT_SIZE, SIZES, make_workload
+    from fasttrain.bench.workloads import SIZES, default_size, make_workload
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -184,14 +190,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
         peer_names = resolve_peers(args.peers)
     except ValueError as exc:
         parser.error(f"--peers: {exc}")
-    out_dir = _out_dir(args, device, size or DEFAULT_SIZE[args.workload])
-    clash = existing_reports(out_dir, args.workload, size or DEFAULT_SIZE[args.workload])
+    size = size or default_size(args.workload, device)
+    out_dir = _out_dir(args, device, size)
+    clash = existing_reports(out_dir, args.workload, size)
     if clash and not args.force:
         parser.error(f"{clash[0]} already exists; pass --force to overwrite it, or choose another "
                      "--out (leaving --out out writes every run to a new folder)")
 
     steps, warmup, repeats = _SCHEDULES[(args.workload, device)]
-    if args.workload == "gpt" and size == "124m" and device == "cuda":
+    if size == "124m" and device == "cuda":
         steps, warmup, repeats = _GPT_124M_CUDA
     steps, warmup, repeats = args.steps or steps, args.warmup or warmup, args.repeats or repeats
 

@@ -90,3 +90,68 @@ def test_bad_options_say_what_to_change(capsys):
     with pytest.raises(SystemExit):
         G.parse_args(["--device", "cpu", "--engines", "compiled"])
     assert "must include eager" in capsys.readouterr().err
+
+
+def test_results_are_written_after_each_workload_and_precision(tmp_path, monkeypatch):
+    """A check stopped part-way (the GPU machine's time limit) keeps the groups that finished."""
+    done = []
+
+    def train_once(name, precision, engine, device, sizes, backend="inductor"):
+        if precision == "bf16":
+            raise KeyboardInterrupt  # stands in for the kill at the time limit
+        done.append(engine)
+        return _run(engine, active=G.expected_engine(engine, device), workload=name, precision=precision,
+                    fallback_warnings=["falls back"] if engine == "cudagraph" else [])
+
+    monkeypatch.setattr(G, "train_once", train_once)
+    with pytest.raises(KeyboardInterrupt):
+        G.main(["--device", "cpu", "--tiny", "--workloads", "mlp", "--out", str(tmp_path)])
+    assert done == ["eager", "compiled", "cudagraph"]
+    text = (tmp_path / "check.md").read_text()
+    assert "| mlp | fp32 | compiled | compiled/compiled |" in text
+    assert "still to run (the check was cut short here): mlp/bf16" in text
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert [r["engine"] for r in record["runs"]] == ["eager", "compiled", "cudagraph"] and record["failures"] == []
+
+
+def test_a_workload_whose_package_is_missing_is_not_run_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    status = G.main(["--device", "cpu", "--tiny", "--workloads", "hf-gpt2", "--precisions", "fp32", "--out", str(tmp_path)])
+    assert status == 0
+    record = json.loads((tmp_path / "check.json").read_text())
+    assert record["runs"] == [] and record["not_run"][0].startswith("hf-gpt2/fp32: transformers is not installed")
+    assert "- hf-gpt2/fp32: transformers is not installed" in (tmp_path / "check.md").read_text()
+
+
+@pytest.mark.slow
+def test_transformers_gpt2_cpu_mode(tmp_path, capsys):
+    """The engine checks on transformers' GPT-2: compiled trains it to eager's weights, on the
+    engine asked for, with nothing compiled after the first epoch."""
+    pytest.importorskip("transformers")
+    status = G.main(
+        ["--device", "cpu", "--tiny", "--compile-backend", "aot_eager", "--workloads", "hf-gpt2", "--precisions",
+         "fp32", "--engines", "eager,compiled", "--out", str(tmp_path)]
+    )
+    assert status == 0, capsys.readouterr().out
+    runs = {r["engine"]: r for r in json.loads((tmp_path / "check.json").read_text())["runs"]}
+    assert runs["compiled"]["active_engine"] == "compiled" and runs["compiled"]["recompiles_after_warmup"] == 0
+    assert runs["compiled"]["weight_rel_diff"] <= G.FP32_WEIGHT_RTOL
+
+
+def test_reads_in_a_third_party_models_code_are_the_models():
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.bench.workloads import make_workload
+
+    hf = make_workload("hf-gpt2", device="cpu", batch_size=2).make_model()
+    assert G.model_package_dir(hf) == os.path.dirname(os.path.abspath(transformers.__file__))
+    assert G.model_package_dir(make_workload("gpt", device="cpu", batch_size=2).make_model()) is None
+    run = _run("eager", model_host_reads_after_warmup=5, host_reads_after_warmup=G.sync_budget(_run("eager")))
+    assert G.judge([run], CPU) == []
+    assert "| 7 (+5 model) | 7 |" in G._row(run)
+
+
+def test_size_table_can_be_chosen(capsys):
+    assert G.parse_args(["--device", "cpu", "--sizes", "cuda"]).sizes == "cuda"
+    with pytest.raises(SystemExit):
+        G.parse_args(["--device", "cpu", "--sizes", "huge"])
+    assert "invalid choice: 'huge'" in capsys.readouterr().err

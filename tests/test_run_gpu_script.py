@@ -1,9 +1,13 @@
-"""benchmarks/run_gpu.sh's options and refusals, and the result file it assembles."""
+"""benchmarks/run_gpu.sh: its options and refusals, what it leaves in the output folder (and
+nowhere else), results written step by step, and the result file it assembles and joins."""
 
+import json
 import os
-import shutil
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,29 +17,45 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import write_result as W  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+pytestmark = pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
+
+#: what the GPU machine brings back from its output folder
+MAX_FILES = 8
+NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+#: the steps of the bench part that cost minutes on a CPU, cut to one second
+FAST_BENCH = {"RUN_GPU_LIMIT_S_BENCH_MLP": "1", "RUN_GPU_LIMIT_S_BENCH_CONVNET": "1"}
+
+
+def _env(**env):
+    return {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **env}
 
 
 def _sh(*args, **env):
-    return subprocess.run(
-        ["bash", SCRIPT, *args], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHON": sys.executable, **env},
+    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=600, env=_env(**env))
+
+
+def _git_status():
+    result = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT, capture_output=True, text=True
     )
+    return result.stdout if result.returncode == 0 else None
 
 
-def test_help_lists_the_options():
+def test_help_lists_the_options_and_parts():
     result = _sh("--help")
     assert result.returncode == 0
-    for option in ("--device", "--part", "--out", "--wheels", "--results", "--tiny"):
-        assert option in result.stdout
+    for word in ("--device", "--part", "--wheels", "--tiny", "OUT", "check-gpt", "bench-gpt", "--merge"):
+        assert word in result.stdout
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--bogus"], "unknown option --bogus"),
-        (["--part", "everything"], "--part must be check, bench or all"),
-        (["--device", "tpu"], "--device must be cuda or cpu"),
+        (["--bogus", "/tmp/x"], "unknown option --bogus"),
+        (["--part", "everything", "/tmp/x"], "--part must be one of tests check check-gpt bench bench-gpt all"),
+        (["--device", "tpu", "/tmp/x"], "--device must be cuda or cpu"),
+        (["--device", "cpu"], "give the output folder as the argument"),
+        (["/tmp/x", "/tmp/y"], "one output folder only"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(args, message):
@@ -44,8 +64,14 @@ def test_bad_options_exit_2_with_one_line(args, message):
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
 
 
+def test_an_output_folder_inside_the_working_copy_is_refused():
+    result = _sh("--device", "cpu", "--tiny", os.path.join(ROOT, "bench_out", "refused"))
+    assert result.returncode == 2 and "lies inside the working copy" in result.stderr
+    assert not os.path.exists(os.path.join(ROOT, "bench_out", "refused", "result.md"))
+
+
 def test_cuda_mode_without_a_gpu_says_so(tmp_path):
-    result = _sh("--device", "cuda", "--out", str(tmp_path))
+    result = _sh("--device", "cuda", str(tmp_path))
     if result.returncode == 2:
         assert "nvidia-smi was not found" in result.stderr or "torch sees no CUDA device" in result.stderr
     else:
@@ -53,34 +79,169 @@ def test_cuda_mode_without_a_gpu_says_so(tmp_path):
 
 
 def test_missing_wheels_folder_stops_before_any_step(tmp_path):
-    result = _sh("--device", "cpu", "--tiny", "--wheels", str(tmp_path / "none"), "--out", str(tmp_path / "o"))
+    result = _sh("--device", "cpu", "--tiny", "--wheels", str(tmp_path / "none"), str(tmp_path / "o"))
     assert result.returncode == 2
     assert "--wheels" in result.stderr and "no such folder" in result.stderr
-    assert not (tmp_path / "o" / "steps.tsv").exists()
+    assert not (tmp_path / "o" / "run.json").exists()
 
 
-def test_result_file_collects_steps_and_marks_failures(tmp_path):
-    out = tmp_path / "run"
-    (out / "logs").mkdir(parents=True)
-    (out / "check").mkdir()
-    (out / "commands.txt").write_text("bash benchmarks/run_gpu.sh --part check\n")
-    (out / "steps.tsv").write_text(
-        f"pytest-gpu\t0\t12\t{out}/logs/pytest-gpu.log\n"
-        f"gpu-check\t1\t40\t{out}/logs/gpu-check.log\n"
-        f"bench-gpt\t124\t220\t{out}/logs/bench-gpt.log\n"
-        f"gpu-check\t0\t38\t{out}/logs/gpu-check.log\n"  # run again: the latest outcome counts
+@pytest.mark.slow
+def test_a_part_writes_few_files_to_the_given_folder_only_and_a_timeout_loses_one_step(tmp_path):
+    before = _git_status()
+    other = tmp_path / "env-out"  # the GPU machine's $OUT, when the folder given is another one
+    other.mkdir()
+    dest = tmp_path / "out"
+    result = _sh("--device", "cpu", "--tiny", "--part", "bench", str(dest), OUT=str(other), **FAST_BENCH)
+    assert result.returncode == 1, result.stderr
+    files = sorted(os.listdir(dest))
+    assert files == ["result.md", "run.json", "run.log"]  # the kernel benchmarks write no CSV
+    assert len(files) <= MAX_FILES and all(NAME.match(f) and (dest / f).is_file() for f in files)
+    assert all((dest / f).stat().st_size < 1 << 20 for f in files)
+    assert list(other.iterdir()) == []
+    assert _git_status() == before  # nothing written under the working copy, ignored files included
+    text = (dest / "result.md").read_text()
+    assert "| bench | bench-mlp | TIMED OUT (exit 124) | " in text
+    assert "| bench | bench-convnet | TIMED OUT (exit 124) | " in text
+    assert re.search(r"\| bench \| bench-clip \| ok \| \d+ \| \d+ \| 240 \|", text)  # the CPU's limits: 3x
+    assert "## Fused gradient clipping" in text and "## Loss gathering" in text
+    assert "- command: `bash benchmarks/run_gpu.sh --device cpu --tiny --part bench " in text
+    record = json.loads((dest / "run.json").read_text())
+    assert [s["name"] for s in record["steps"]] == ["bench-mlp", "bench-convnet", "bench-clip", "bench-loss-accum"]
+    assert "== bench-clip (ok" in (dest / "run.log").read_text()
+
+
+def test_each_step_writes_its_result_before_the_next_starts(tmp_path):
+    """A part killed during its second step (the GPU machine's 10-minute limit) keeps the first."""
+    dest = tmp_path / "out"
+    env = _env(RUN_GPU_LIMIT_S_BENCH_MLP="1")
+    proc = subprocess.Popen(
+        ["bash", SCRIPT, "--device", "cpu", "--tiny", "--part", "bench", str(dest)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    (out / "logs" / "pytest-gpu.log").write_text("....\n12 passed, 3 skipped in 11.0s\n")
-    (out / "check" / "check.md").write_text("# title\n\n| table |\nall checks passed\n")
-    (out / "mlp-small.md").write_text("| peer | steps/s |\n")
-    assert W.main(["--out", str(out), "--device", "cpu", "--results", str(tmp_path / "results")]) == 1
+    result = dest / "result.md"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if result.exists() and "bench-mlp" in result.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the part ended before its second step"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = result.read_text()
+    assert "| bench | bench-mlp | TIMED OUT (exit 124) |" in text and "bench-convnet" not in text
+    assert sorted(os.listdir(dest)) == ["result.md", "run.json", "run.log"]
+
+
+# ---------------------------------------------------------------------------- write_result.py
+
+
+def _scratch(tmp_path, steps):
+    """A run's scratch folder as run_gpu.sh leaves it."""
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "steps.tsv").write_text("".join("\t".join(map(str, step)) + "\n" for step in steps))
+    for name, *_ in steps:
+        (work / "steps" / name).mkdir(parents=True, exist_ok=True)
+    return work
+
+
+ENV = {"device_name": "NVIDIA H100 80GB HBM3", "driver": "580.1", "cuda": "13.0", "torch": "2.11.0+cu130",
+       "triton": "3.6.0", "python": "3.12.3", "platform": "Linux"}
+
+
+def test_collect_folds_steps_into_few_files_and_keeps_earlier_parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "environment", lambda device: dict(ENV))
+    out = tmp_path / "out"
+    out.mkdir()
+    work = _scratch(tmp_path, [
+        ("pytest-gpu", 0, 12, 450, "tests", 30),
+        ("check-mlp", 1, 40, 180, "check", 35),
+        ("bench-gpt", 124, 240, 240, "bench-gpt", 900),
+        ("check-mlp", 0, 38, 180, "check", 33),  # run again: the latest outcome counts
+    ])
+    (work / "logs" / "pytest-gpu.log").write_text("..F.\nFAILED tests/test_x.py::test_y - boom\n1 failed, 12 passed, 3 skipped in 11.0s\n")
+    (work / "logs" / "bench-gpt.log").write_text("compiling\nstill compiling\n")
+    (work / "steps" / "check-mlp" / "check.md").write_text("# title\n\n| table |\nall checks passed\n")
+    (work / "steps" / "check-mlp" / "check.json").write_text(json.dumps(
+        {"runs": [{"workload": "mlp", "precision": "fp32", "engine": "compiled", "weight_rel_diff": 1e-7, "seconds": 3.0}]}
+    ))
+    (work / "steps" / "bench-gpt" / "gpt-124m.csv").write_text("peer,status,steps_per_s_median\nbare,ok,2.0\n")
+    assert W.main(["--work", str(work), "--out", str(out), "--device", "cuda", "--command", "bash run_gpu.sh A"]) == 0
+    assert sorted(os.listdir(out)) == ["bench.csv", "check.csv", "result.md", "run.json", "run.log"]
     text = (out / "result.md").read_text()
-    assert "- command: `bash benchmarks/run_gpu.sh --part check`" in text
-    assert "- torch " in text and "triton" in text
-    assert "| gpu-check | ok | 38 |" in text
-    assert "| bench-gpt | TIMED OUT (exit 124) | 220 |" in text
-    assert "`12 passed, 3 skipped in 11.0s`" in text
-    assert "## Bench: mlp-small" in text and "all checks passed" in text
-    assert text.split("## Failed")[1].strip().startswith("- bench-gpt: TIMED OUT")
-    (copy,) = (tmp_path / "results").iterdir()
-    assert copy.name.endswith("-cpu.md") and copy.read_text() == text
+    assert text.startswith(f"# fasttrain GPU run, {json.loads((out / 'run.json').read_text())['date']}")
+    assert "- device: NVIDIA H100 80GB HBM3 (driver 580.1, CUDA 13.0)" in text and "triton 3.6.0" in text
+    assert "- command: `bash run_gpu.sh A`" in text
+    assert "| check | check-mlp | ok | 38 | 33 | 180 |" in text
+    assert "| bench-gpt | bench-gpt | TIMED OUT (exit 124) | 240 | 900 | 240 |" in text
+    assert "`1 failed, 12 passed, 3 skipped in 11.0s`" in text and "- FAILED tests/test_x.py::test_y - boom" in text
+    assert "## Engine checks: mlp (benchmarks/gpu_check.py)" in text and "all checks passed" in text
+    assert "- bench-gpt: TIMED OUT (exit 124); last line of its log: `still compiling`" in text
+    assert (out / "check.csv").read_text().splitlines()[1].startswith("check-mlp,mlp,fp32,compiled,,,1e-07,")
+    assert (out / "bench.csv").read_text().splitlines() == ["step,table,peer,status,steps_per_s_median", "bench-gpt,gpt-124m,bare,ok,2.0"]
+    # a second part into the same folder adds its steps and command, keeping the first part's
+    work2 = _scratch(tmp_path / "2", [("bench-clip", 0, 30, 80, "bench")])  # without CPU seconds
+    (work2 / "steps" / "bench-clip" / "bench_clip.md").write_text("# clip\n\n| clip table |\n")
+    W.main(["--work", str(work2), "--out", str(out), "--device", "cuda", "--command", "bash run_gpu.sh B"])
+    text = (out / "result.md").read_text()
+    assert "`bash run_gpu.sh A`" in text and "`bash run_gpu.sh B`" in text
+    assert "| check | check-mlp | ok |" in text and "| bench | bench-clip | ok | 30 | n/a | 80 |" in text
+    assert text.index("## pytest -m gpu") < text.index("## Engine checks") < text.index("## Fused gradient clipping")
+
+
+def _part(folder, steps, env=ENV, date="2026-11-26", command="c"):
+    folder.mkdir(parents=True)
+    record = {"device": "cuda", "date": date, "environment": env, "commands": [command], "steps": steps}
+    (folder / "run.json").write_text(json.dumps(record))
+    return str(folder)
+
+
+def _step(name, part, status="0", rows=(), section="table"):
+    return {"name": name, "part": part, "status": status, "seconds": "9", "limit": "100", "section": section,
+            "rows": list(rows), "log": "last line"}
+
+
+def test_merge_joins_the_parts_into_the_dated_result_file_with_the_targets(tmp_path):
+    rows = [
+        {"table": "hf-gpt2-124m", "peer": p, "status": "ok", "steps_per_s_median": v}
+        for p, v in (("bare", "1.0"), ("compiled-model", "2.0"), ("fasttrain-compiled", "2.2"), ("fasttrain-cudagraph", "1.8"))
+    ]
+    a = _part(tmp_path / "a", [_step("pytest-gpu", "tests", section="`5 passed`")], command="bash run_gpu.sh --part tests")
+    b = _part(tmp_path / "b", [_step("bench-hf-gpt2", "bench-gpt", rows=rows)], command="bash run_gpu.sh --part bench-gpt")
+    results = tmp_path / "results"
+    assert W.main(["--merge", a, b, "--results", str(results)]) == 0
+    text = (results / "2026-11-26-nvidia-h100-80gb-hbm3.md").read_text()
+    assert "`bash run_gpu.sh --part tests`" in text and "`bash run_gpu.sh --part bench-gpt`" in text
+    assert "| tests | pytest-gpu | ok |" in text and "| bench-gpt | bench-hf-gpt2 | ok |" in text
+    assert "| hf-gpt2-124m | fasttrain-compiled | compiled-model | >= 1.00x | 1.10x | yes |" in text
+    assert "| hf-gpt2-124m | fasttrain-cudagraph | compiled-model | >= 1.00x | 0.90x | NO |" in text
+    assert "mlp-small" not in text  # no target without its table
+    assert sorted(os.listdir(tmp_path / "a")) == ["run.json"]  # the parts' folders are only read
+
+
+def test_merge_refuses_parts_from_different_gpus(tmp_path):
+    a = _part(tmp_path / "a", [_step("pytest-gpu", "tests")])
+    b = _part(tmp_path / "b", [_step("check-mlp", "check")], env=dict(ENV, device_name="NVIDIA H200"))
+    with pytest.raises(SystemExit, match="different devices"):
+        W.main(["--merge", a, b, "--results", str(tmp_path / "r")])
+
+
+@pytest.mark.slow
+def test_the_suite_collects_where_optional_packages_are_missing():
+    """The GPU machine lacks pytorch-accelerated (unless carried) and may lack others: every test
+    module that needs one skips with a reason; none fails to collect."""
+    missing = ["pytorch_accelerated", "mlflow", "transformers", "timm", "torchvision", "torchmetrics",
+               "tensorboard", "matplotlib", "lightning", "pytorch_lightning"]
+    code = (
+        "import sys\n"
+        f"for name in {missing!r}:\n    sys.modules[name] = None  # import fails, find_spec says absent\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['--collect-only', '-q', '-rs', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests']))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=_env(PYTHONDONTWRITEBYTECODE="1"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "error" not in result.stdout.splitlines()[-1]
+    assert "could not import 'pytorch_accelerated'" in result.stdout

@@ -86,3 +86,19 @@ def test_old_setuptools_without_wheel_is_named():
     assert "needs the 'wheel' package" in S.build_backend_problem("65.5.0", has_wheel=False)
     assert S.build_backend_problem("65.5.0", has_wheel=True) is None
     assert S.build_backend_problem("84.2.1", has_wheel=False) is None
+
+
+def test_carried_wheels_are_installed_before_anything_is_checked(tmp_path, monkeypatch):
+    """A package the machine lacks but the wheels folder carries counts as present."""
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _wheel(str(wheels), name="carriedpkg_for_setup_test")
+    monkeypatch.setattr(S, "REQUIRED", dict(S.REQUIRED, carriedpkg_for_setup_test="carriedpkg"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    notes = S.setup("cpu", str(wheels), str(target), check_only=False)
+    assert notes[0] == f"installed 1 wheel(s) from {wheels} into {target}"
+    assert (target / "carriedpkg_for_setup_test" / "__init__.py").exists()
+    # without the wheel the same package is reported missing, in one line
+    monkeypatch.setattr(S, "REQUIRED", dict(S.REQUIRED, other_absent_pkg_xyz="other-absent"))
+    with pytest.raises(S.SetupError, match="missing Python packages: other-absent"):
+        S.setup("cpu", str(wheels), str(tmp_path / "site2"), check_only=False)

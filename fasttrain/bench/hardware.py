@@ -63,7 +63,7 @@ def describe_environment(device: torch.device | str) -> Dict[str, object]:
     else:
         info["device_name"] = _cpu_name()
     # Package metadata, not imports: importing Lightning alone takes seconds.
-    for dist in ("fasttrain", "pytorch-accelerated", "lightning", "accelerate"):
+    for dist in ("fasttrain", "pytorch-accelerated", "lightning", "accelerate", "transformers"):
         try:
             info[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

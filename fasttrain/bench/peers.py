@@ -21,11 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from fasttrain.bench.workloads import Workload, passthrough_collate
-
-
-class PeerUnavailable(RuntimeError):
-    """The peer cannot run here (missing package or device); the message says why."""
+from fasttrain.bench.workloads import PeerUnavailable, Workload, passthrough_collate
 
 
 def device_sync(device: torch.device) -> None:
@@ -138,6 +134,18 @@ class CompiledLoop(BareLoop):
             self.optimizer.zero_grad(set_to_none=True)
         # SYNC(bench): the clock read after run() returns must include the queued device work.
         device_sync(dev)
+
+
+class CompiledModelLoop(BareLoop):
+    """The bare loop over ``torch.compile(model)``: what a user who compiles the model writes
+    (the loss, backward and optimizer step stay eager). A model that cannot be traced whole,
+    such as transformers' GPT-2 with its logging calls, compiles with graph breaks."""
+
+    name = "compiled-model"
+
+    def setup(self) -> None:
+        super().setup()
+        self.model = torch.compile(self.model)
 
 
 class CudaGraphLoop(Peer):
@@ -436,6 +444,7 @@ class FasttrainLightningPeer(LightningPeer):
 PEERS: Dict[str, Callable[[Workload], Peer]] = {
     "bare": BareLoop,
     "compiled": CompiledLoop,
+    "compiled-model": CompiledModelLoop,
     "cudagraph": CudaGraphLoop,
     "pytorch-accelerated": PyTorchAcceleratedPeer,
     "lightning": LightningPeer,

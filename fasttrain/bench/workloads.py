@@ -2,7 +2,7 @@
 
 A workload bundles a model factory (seeded, so every peer starts from the same weights), a loss
 function, an optimizer factory, and a synthetic dataset whose batches cost almost nothing to fetch.
-Nothing is downloaded.
+Nothing is downloaded: ``hf-gpt2`` builds transformers' ``GPT2LMHeadModel`` from a ``GPT2Config``.
 
 The dataset implements ``__getitems__``: the DataLoader then asks for a whole batch in one call, and
 :func:`passthrough_collate` hands that batch on untouched. Batches are views into a small pool of
@@ -20,10 +20,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-WORKLOADS = ("mlp", "convnet", "gpt")
+WORKLOADS = ("mlp", "convnet", "gpt", "hf-gpt2")
 
 #: batches held in memory per dataset; a dataset of any length cycles through them.
 _POOL_BATCHES = 4
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer cannot run here (missing package or device); the message says why. A workload whose
+    model needs a missing package raises it from its model factory, so every peer reports it."""
 
 
 def passthrough_collate(batch):
@@ -176,6 +181,34 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def hf_causal_lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`gpt_loss` of a transformers causal LM's output (its ``logits``); the targets are the
+    inputs shifted by one token already, so the model is called without ``labels``."""
+    return gpt_loss(outputs.logits, targets)
+
+
+def _transformers_gpt2():
+    """transformers' GPT-2 classes, or :class:`PeerUnavailable` saying how to get them."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError as exc:
+        raise PeerUnavailable(f"transformers is not installed ({exc}); pip install transformers") from exc
+    return GPT2Config, GPT2LMHeadModel
+
+
+def hf_gpt2(n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab: int) -> nn.Module:
+    """``GPT2LMHeadModel`` built from a config (no download), with dropout off like :class:`GPT`,
+    no key/value cache (training) and torch's fused attention."""
+    GPT2Config, GPT2LMHeadModel = _transformers_gpt2()
+    config = GPT2Config(
+        n_layer=n_layers, n_embd=d_model, n_head=n_heads, n_positions=seq_len, vocab_size=vocab,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa",
+        # GPT-2's special token is the last of its vocabulary; so it is at every size
+        bos_token_id=vocab - 1, eos_token_id=vocab - 1,
+    )
+    return GPT2LMHeadModel(config)
+
+
 # --------------------------------------------------------------------------------------------
 # workload description
 
@@ -271,14 +304,23 @@ SIZES: Dict[str, Dict[str, Dict[str, object]]] = {
         "124m": {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024, "vocab": 50257},
     },
 }
+# the transformers GPT-2 at the same sizes as the hand-written one
+SIZES["hf-gpt2"] = dict(SIZES["gpt"])
 
 # the default MLP is the overhead-bound one: its step is small enough that per-step framework
 # work shows in the ratios
-DEFAULT_SIZE = {"mlp": "tiny", "convnet": "small", "gpt": "tiny"}
-DEFAULT_BATCH = {"mlp": 64, "convnet": 512, "gpt": 8}
+DEFAULT_SIZE = {"mlp": "tiny", "convnet": "small", "gpt": "tiny", "hf-gpt2": "tiny"}
+#: sizes that differ on CUDA: the transformers GPT-2 is measured at GPT-2's own 124M config
+DEFAULT_SIZE_CUDA = dict(DEFAULT_SIZE, **{"hf-gpt2": "124m"})
+DEFAULT_BATCH = {"mlp": 64, "convnet": 512, "gpt": 8, "hf-gpt2": 8}
 #: on a CPU the convnet at batch 512 spends minutes per peer; 32 keeps a peer well under a minute
 #: on two cores while still timing real convolution work
-DEFAULT_BATCH_CPU = {"mlp": 64, "convnet": 32, "gpt": 8}
+DEFAULT_BATCH_CPU = {"mlp": 64, "convnet": 32, "gpt": 8, "hf-gpt2": 8}
+
+
+def default_size(name: str, device: str | torch.device) -> str:
+    """The size a workload uses unless told otherwise, per device type."""
+    return (DEFAULT_SIZE_CUDA if torch.device(device).type == "cuda" else DEFAULT_SIZE)[name]
 
 
 def default_batch_size(name: str, device: str | torch.device) -> int:
@@ -309,6 +351,10 @@ def gpt_flops_per_token(n_layers: int, d_model: int, seq_len: int, num_params: i
     return 6.0 * num_params + 12.0 * n_layers * d_model * seq_len
 
 
+#: workloads trained on next-token prediction, counted in tokens
+_LANGUAGE_MODELS = ("gpt", "hf-gpt2")
+
+
 def make_workload(
     name: str,
     size: Optional[str] = None,
@@ -320,10 +366,11 @@ def make_workload(
     seed: int = 0,
 ) -> Workload:
     """Build a workload. ``precision`` is ``"fp32"`` or ``"bf16"`` (autocast); by default bf16
-    for ``gpt`` on CUDA and fp32 otherwise."""
+    for the language models on CUDA and fp32 otherwise. ``hf-gpt2`` needs transformers to train;
+    without it the workload is still built and each peer reports itself unavailable."""
     if name not in SIZES:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    size = size or DEFAULT_SIZE[name]
+    size = size or default_size(name, device)
     if size not in SIZES[name]:
         raise ValueError(
             f"size {size!r} does not exist for workload {name!r}; choose one of {', '.join(SIZES[name])}"
@@ -335,7 +382,7 @@ def make_workload(
     if batch_size < 1:
         raise ValueError("batch size must be at least 1")
     if precision is None:
-        precision = "bf16" if (name == "gpt" and device.type == "cuda") else "fp32"
+        precision = "bf16" if (name in _LANGUAGE_MODELS and device.type == "cuda") else "fp32"
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
     amp_dtype = torch.bfloat16 if precision == "bf16" else None
@@ -356,21 +403,27 @@ def make_workload(
         targets = torch.randint(0, 10, (pool,), generator=gen)
         loss_func, lr = nn.CrossEntropyLoss(), 1e-3
     else:
-        factory = lambda: GPT(cfg["n_layers"], cfg["d_model"], cfg["n_heads"], cfg["seq_len"], cfg["vocab"])  # noqa: E731
+        model_class = GPT if name == "gpt" else hf_gpt2
+        factory = lambda: model_class(cfg["n_layers"], cfg["d_model"], cfg["n_heads"], cfg["seq_len"], cfg["vocab"])  # noqa: E731
         tokens = torch.randint(0, cfg["vocab"], (pool, cfg["seq_len"] + 1), generator=gen)
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        loss_func, lr = gpt_loss, 3e-4
+        loss_func, lr = (gpt_loss if name == "gpt" else hf_causal_lm_loss), 3e-4
 
     flops_per_sample = flops_per_token = tokens_per_sample = None
-    if name == "gpt":
-        with torch.device("meta"):
-            meta = factory()
-        # Position embeddings are a lookup, not a matmul; the tied token embedding is counted
-        # once, for the output head.
-        n = sum(p.numel() for p in meta.parameters()) - meta.wpe.weight.numel()
-        flops_per_token = gpt_flops_per_token(cfg["n_layers"], cfg["d_model"], cfg["seq_len"], n)
+    if name in _LANGUAGE_MODELS:
         tokens_per_sample = cfg["seq_len"]
-        cfg["params"] = n
+        try:
+            with torch.device("meta"):
+                meta = factory()
+        except PeerUnavailable:
+            meta = None  # every peer reports why when it builds the model
+        if meta is not None:
+            # Position embeddings are a lookup, not a matmul; the tied token embedding is counted
+            # once (parameters() yields a shared tensor once), for the output head.
+            wpe = meta.wpe if name == "gpt" else meta.transformer.wpe
+            n = sum(p.numel() for p in meta.parameters()) - wpe.weight.numel()
+            flops_per_token = gpt_flops_per_token(cfg["n_layers"], cfg["d_model"], cfg["seq_len"], n)
+            cfg["params"] = n
     else:
         with torch.random.fork_rng(devices=[]):
             probe = factory()
