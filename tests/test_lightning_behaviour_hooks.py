@@ -113,3 +113,17 @@ def test_a_callback_hook_set_to_none_is_skipped_like_lightning():
     out = run_both(action, max_epochs=1)
     assert out == {"lightning": 6, "fasttrain": 6}
     assert seen == []
+
+
+@pytest.mark.parametrize("entry,step", [("validate", "validation_step"), ("test", "test_step"),
+                                        ("predict", "predict_step")])
+def test_an_evaluation_step_set_to_none_raises_like_lightning(entry, step):
+    def action(trainer):
+        module = Classifier()
+        setattr(module, step, None)
+        getattr(trainer, entry)(module, loader(VAL, batch_size=10))
+
+    out = run_both(action)
+    assert isinstance(out["lightning"], MisconfigurationException)
+    assert isinstance(out["fasttrain"], MisconfigurationException)
+    assert str(out["fasttrain"]) == str(out["lightning"])

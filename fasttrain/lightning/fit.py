@@ -32,7 +32,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
-from fasttrain.lightning.arguments import num_batches
+from fasttrain.lightning.arguments import LightningConfigError, num_batches
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
@@ -550,8 +550,8 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
 def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
     fn = lt.state.fn
     step = "test_step" if stage == "test" else "validation_step"
-    if not module_overrides(lt.lightning_module, step):
-        raise ValueError(f"{stage}() needs the module to define {step}()")
+    if not is_overridden(step, lt.lightning_module):  # also a step set to None on the instance
+        raise LightningConfigError(f"No `{step}()` method defined to run `Trainer.{stage}`.")
     runner = _runner(lt, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     _setup_hooks(lt, fn)
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
@@ -583,6 +583,8 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, w
 
 
 def _predict(lt, dataloaders, ckpt_path, weights_only) -> list:
+    if lt.lightning_module.predict_step is None:
+        raise LightningConfigError("`predict_step` cannot be None to run `Trainer.predict`")
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
