@@ -287,6 +287,15 @@ class Trainer(ForwardBackwardHelper):
         """The engine that runs the evaluation steps, as :attr:`active_engine`."""
         return _engine_running(self._engine, "active_eval_engine")
 
+    @property
+    def compiled_graphs(self) -> dict:
+        """What each compiled forward hook became when it was first traced:
+        ``{"calculate_train_batch_loss": HookGraphs(graphs=1, breaks=0, reasons=()), ...}``
+        (``fasttrain.engine.graph_report``), counted from dynamo's own records. A hook traced
+        whole is one graph; one with graph breaks is several. Empty before the engine is set up
+        and for hooks that run eagerly."""
+        return {} if self._engine is None else dict(self._engine.compiled_graphs)
+
     # ------------------------------------------------------------------ hooks
     def training_run_start(self):
         pass

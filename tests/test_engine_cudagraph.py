@@ -15,6 +15,7 @@ from fasttrain.schedulers import CosineLrScheduler
 
 from engine_cases import (
     Case,
+    GraphBreakTrainer,
     ConvNet,
     HostReadingTrainer,
     MeanPool,
@@ -135,6 +136,23 @@ def test_host_read_in_a_hook_falls_back_to_compiled_with_one_warning():
     assert graphed.trainer._engine.active_engine == "compiled"
     assert graphed.trainer._engine.active_eval_engine == "cudagraph"
     assert_runs_match(eager, graphed)
+
+
+def test_a_step_compiled_with_graph_breaks_is_captured_and_replayed():
+    case = mlp_case(GraphBreakTrainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", device="cuda")
+        graphed = run(case, "cudagraph", device="cuda")
+    ours = fasttrain_warnings(caught)
+    assert len(ours) == 2 and all("graph breaks" in m for m in ours), ours
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
+    assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
+    assert graphed.trainer.compiled_graphs["calculate_train_batch_loss"].graphs >= 2
+    assert_runs_match(eager, graphed)
+    counts = graphed.recorder.counts_after_epoch
+    assert counts[-1] == counts[0], counts  # capture and replay compile nothing new
 
 
 def test_batches_that_change_shape_fall_back_to_compiled():

@@ -26,6 +26,7 @@ from fasttrain.engine.snapshot import StepSnapshot
 
 from engine_cases import (
     Case,
+    GraphBreakTrainer,
     HostReadingTrainer,
     MeanPool,
     RaggedCollate,
@@ -135,6 +136,42 @@ def test_host_read_in_a_captured_hook_falls_back_to_compiled_once():
     assert len(messages) == 1 and "'optimizer_step'" in messages[0] and "'compiled'" in messages[0], messages
     assert graphed.trainer.active_engine == "compiled"
     assert graphed.trainer.active_eval_engine == "cudagraph"
+    assert_runs_match(eager, graphed)
+
+
+def test_a_hook_with_graph_breaks_is_captured_whole():
+    # the decision for graph breaks: a CUDA graph records kernels, not dynamo graphs, so the
+    # step compiled in pieces is captured whole; only the ladder's warning is given
+    case = mlp_case(GraphBreakTrainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager")
+        graphed = run(case, "cudagraph", AOT)
+    messages = fasttrain_warnings(caught)
+    assert len(messages) == 2, messages  # one per hook
+    assert all("graph breaks" in m and "'cudagraph'" in m for m in messages), messages
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
+    assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
+    graphs = graphed.trainer.compiled_graphs
+    # the pieces around the break (the training one also the accumulation scaling after it)
+    assert graphs["calculate_train_batch_loss"].graphs >= 2 and graphs["calculate_eval_batch_loss"].graphs >= 2
+    assert_runs_match(eager, graphed)
+
+
+def test_a_graph_break_that_reads_the_host_falls_back_to_compiled():
+    from test_engines import BranchOnItemTrainer, sgd_case
+
+    eager = run(sgd_case(BranchOnItemTrainer), "eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(sgd_case(BranchOnItemTrainer), "cudagraph", AOT)
+    messages = fasttrain_warnings(caught)
+    # the ladder's warning, then the capture that meets the .item() between the pieces
+    assert len(messages) == 2, messages
+    assert "graph breaks" in messages[0]
+    assert "'calculate_train_batch_loss'" in messages[1] and "falls back to the 'compiled'" in messages[1]
+    assert graphed.trainer.active_engine == "compiled" and graphed.trainer.active_eval_engine == "cudagraph"
     assert_runs_match(eager, graphed)
 
 

@@ -205,16 +205,63 @@ def sgd_case(trainer_cls=Trainer, **train_kwargs):
     )
 
 
-def test_untraceable_loss_hook_falls_back_to_eager_with_one_warning(engine_warnings):
+def test_a_loss_hook_with_a_graph_break_runs_compiled_in_pieces_with_one_warning(engine_warnings):
     eager = run(sgd_case(BranchOnItemTrainer), "eager")
+    counters.clear()
     compiled = run(sgd_case(BranchOnItemTrainer), "compiled", AOT)
+    assert len(engine_warnings) == 1, [str(w.message) for w in engine_warnings]
+    message = str(engine_warnings[0].message)
+    assert "'calculate_train_batch_loss'" in message and "graph breaks" in message and "item()" in message
+    assert compiled.trainer.active_engine == "compiled"
+    assert compiled.trainer.active_eval_engine == "compiled"  # evaluation traced whole
+    graphs = compiled.trainer.compiled_graphs
+    train = graphs["calculate_train_batch_loss"]
+    # before the .item() and after the branch: two graphs; dynamo records the break in the
+    # hook's frame and again where the compiled function calls it
+    assert train.graphs == 2 and train.breaks in (1, 2), train
+    assert any("item()" in reason for reason in train.reasons), train.reasons
+    assert f"{train.graphs} graph(s), {train.breaks} break(s)" in message
+    assert graphs["calculate_eval_batch_loss"].graphs == 1 and graphs["calculate_eval_batch_loss"].breaks == 0
+    # the failed whole trace ran nothing, the redo in pieces ran the step once
+    assert_runs_match(eager, compiled)
+
+
+def test_fullgraph_true_keeps_the_strict_fallback_to_eager(engine_warnings):
+    eager = run(sgd_case(BranchOnItemTrainer), "eager")
+    compiled = run(sgd_case(BranchOnItemTrainer), "compiled", {**AOT, "fullgraph": True})
     assert len(engine_warnings) == 1, [str(w.message) for w in engine_warnings]
     message = str(engine_warnings[0].message)
     assert "'calculate_train_batch_loss'" in message and "eager" in message and "item()" in message
     assert compiled.trainer.active_engine == "eager"
-    assert compiled.trainer.active_eval_engine == "compiled"  # evaluation traced fine
+    assert compiled.trainer.active_eval_engine == "compiled"
+    assert "calculate_train_batch_loss" not in compiled.trainer.compiled_graphs
     # the failed trace ran nothing, the eager redo ran the step once: same floats as eager
     assert compiled.recorder.train == eager.recorder.train
+    assert_runs_match(eager, compiled)
+
+
+def test_fullgraph_false_accepts_breaks_without_a_warning(engine_warnings):
+    compiled = run(sgd_case(BranchOnItemTrainer), "compiled", {**AOT, "fullgraph": False})
+    assert not engine_warnings, [str(w.message) for w in engine_warnings]
+    assert compiled.trainer.active_engine == "compiled"
+    assert compiled.trainer.compiled_graphs["calculate_train_batch_loss"].breaks >= 1
+
+
+def _backend_that_fails(graph, example_inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_hook_that_no_compile_takes_ends_eager(engine_warnings):
+    # the whole trace stops at the .item() before any backend runs; the compile with breaks
+    # then reaches the backend, which fails: eager is the last rung
+    eager = run(sgd_case(BranchOnItemTrainer), "eager")
+    compiled = run(sgd_case(BranchOnItemTrainer), "compiled", {"backend": _backend_that_fails})
+    messages = [str(w.message) for w in engine_warnings]
+    assert len(messages) == 2, messages  # training, then evaluation (traced whole, then failed)
+    assert all("falls back to the 'eager' engine" in m and "BackendCompilerFailed" in m for m in messages), messages
+    assert "'calculate_train_batch_loss'" in messages[0] and "'calculate_eval_batch_loss'" in messages[1]
+    assert compiled.trainer.active_engine == "eager" and compiled.trainer.active_eval_engine == "eager"
+    assert compiled.trainer.compiled_graphs == {}
     assert_runs_match(eager, compiled)
 
 
@@ -259,13 +306,17 @@ class ItemEvalTrainer(Trainer):
         return {"loss": loss, "model_outputs": outputs, "batch_size": batch[1].size(0)}
 
 
-def test_evaluation_falls_back_on_its_own(engine_warnings):
+@pytest.mark.parametrize("fullgraph", [None, True])
+def test_evaluation_falls_back_on_its_own(engine_warnings, fullgraph):
     eager = run(sgd_case(ItemEvalTrainer), "eager")
-    compiled = run(sgd_case(ItemEvalTrainer), "compiled", AOT)
+    options = AOT if fullgraph is None else {**AOT, "fullgraph": fullgraph}
+    compiled = run(sgd_case(ItemEvalTrainer), "compiled", options)
     assert len(engine_warnings) == 1
     assert "'calculate_eval_batch_loss'" in str(engine_warnings[0].message)
     assert compiled.trainer.active_engine == "compiled"
-    assert compiled.trainer.active_eval_engine == "eager"
+    # not given, fullgraph lets the hook run compiled with breaks; True sends it to eager
+    assert compiled.trainer.active_eval_engine == ("eager" if fullgraph else "compiled")
+    assert ("calculate_eval_batch_loss" in compiled.trainer.compiled_graphs) == (not fullgraph)
     assert_runs_match(eager, compiled)
 
 

@@ -47,6 +47,12 @@ class StepEngine:
     def eval_step(self, batch) -> dict:  # pragma: no cover - interface
         raise NotImplementedError
 
+    @property
+    def compiled_graphs(self) -> dict:
+        """For each hook this engine runs compiled: a ``HookGraphs`` (engine/graph_report.py)
+        saying how many graphs it became. Nothing for an engine that compiles nothing."""
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 

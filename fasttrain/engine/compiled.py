@@ -17,10 +17,12 @@ Shapes are static (``dynamic=False`` unless ``compile_options`` says otherwise):
 smaller batch of an epoch gets its own graph, compiled once, so it costs one extra compile per
 function and keeps the exact loss; later epochs and later ``train()`` calls hit the cache.
 
-The forward hooks are traced with ``fullgraph=True`` (the default of ``compile_options``): a hook
-that cannot be traced whole (a graph break, ``.item()``, branching on a device value) raises
-while it is traced, before anything runs, and the engine falls back to the eager engine with one
-warning naming the hook. Torch's optimizers break the graph around ``step`` on purpose (to keep
+The forward hooks are traced whole first (``fullgraph=True``): a hook that cannot be (a graph
+break, ``.item()``, branching on a device value) raises while it is traced, before anything runs,
+and is then compiled with graph breaks allowed, with one warning naming the breaks and the graph
+count (:mod:`fasttrain.engine.graph_report`); only where that compile fails too does the engine
+fall back to the eager engine. ``compile_options={"fullgraph": True}`` goes to eager directly.
+Torch's optimizers break the graph around ``step`` on purpose (to keep
 AOTAutograd's no-grad inference graph), so the update is compiled with ``fullgraph=False``.
 Until the first update has succeeded, each micro-step is guarded by a snapshot of everything it
 can mutate, so a failure in the middle of a step is undone before the fallback redoes it.
@@ -50,6 +52,8 @@ from fasttrain.engine.context import StepContext
 from fasttrain.engine.eager import EagerEngine
 from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer, settings_advice
 from fasttrain.engine import recompile_limit
+from fasttrain.engine.graph_report import CountingCall, HookGraphs
+from fasttrain.engine.logging_calls import with_logger_calls_ignored
 from fasttrain.engine.snapshot import StepSnapshot
 from fasttrain.regional import compiled_region_names
 
@@ -169,17 +173,58 @@ def _private_copy(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+TRAIN_HOOK = "calculate_train_batch_loss"
+EVAL_HOOK = "calculate_eval_batch_loss"
+_FORWARD_BODIES = {TRAIN_HOOK: _train_forward, EVAL_HOOK: _eval_forward}
+#: what dynamo raises under fullgraph=True where it would break the graph (an unsupported call,
+#: data-dependent control flow): compiling with breaks can still take the hook
+_TRACE_ERRORS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                 torch._dynamo.exc.UncapturedHigherOrderOpError)
+
+
 class _CompiledFunctions:
     """The three compiled callables of one trainer, kept across ``train()`` calls so that a
-    second run with the same shapes reuses the graphs of the first."""
+    second run with the same shapes reuses the graphs of the first.
+
+    Each forward hook is first compiled whole (unless ``fullgraph=False``); :meth:`allow_breaks`
+    replaces it with a compile that accepts graph breaks, where the whole trace failed."""
 
     def __init__(self, settings: CompileSettings):
         self.settings = settings
-        self.train_forward = torch.compile(_private_copy(_train_forward), **settings.kwargs())
-        self.update = torch.compile(
+        whole = settings.fullgraph is not False
+        self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
+        self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
+        self.update = with_logger_calls_ignored(torch.compile(
             _private_copy(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
-        )
-        self.eval_forward = torch.compile(_private_copy(_eval_forward), **settings.kwargs())
+        ))
+
+    def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
+        # a logger call in a hook (transformers' models make them) is no graph break
+        compiled = torch.compile(_private_copy(_FORWARD_BODIES[hook]), **self.settings.kwargs(fullgraph=whole))
+        return CountingCall(with_logger_calls_ignored(compiled))
+
+    @property
+    def train_forward(self) -> CountingCall:
+        return self._forwards[TRAIN_HOOK]
+
+    @property
+    def eval_forward(self) -> CountingCall:
+        return self._forwards[EVAL_HOOK]
+
+    def may_break(self, hook: str, error: BaseException) -> bool:
+        """Whether ``hook``, which failed with ``error``, goes on compiled with graph breaks: it
+        was traced whole because ``fullgraph`` was not given, and the trace met a graph break."""
+        return self.settings.fullgraph is None and self._whole[hook] and isinstance(error, _TRACE_ERRORS)
+
+    def allow_breaks(self, hook: str) -> None:
+        self._forwards[hook] = self._compile_forward(hook, whole=False)
+        self._whole[hook] = False
+
+    def is_whole(self, hook: str) -> bool:
+        return self._whole[hook]
+
+    def report(self, hook: str) -> Optional[HookGraphs]:
+        return self._forwards[hook].report
 
 
 _FUNCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -297,6 +342,20 @@ class CompiledEngine(StepEngine):
             return getattr(self._eval_fallback, "active_eval_engine", self._eval_fallback.name)
         return self.name
 
+    @property
+    def compiled_graphs(self) -> Dict[str, HookGraphs]:
+        """For each forward hook that runs compiled and has been traced: how many graphs it
+        became and why it broke (the engine a hook fell back to answers for it)."""
+        report = {}
+        for hook, fallback in ((TRAIN_HOOK, self._train_fallback), (EVAL_HOOK, self._eval_fallback)):
+            if fallback is not None:
+                entry = fallback.compiled_graphs.get(hook)
+            else:
+                entry = self._functions.report(hook) if self._functions is not None else None
+            if entry is not None:
+                report[hook] = entry
+        return report
+
     # ------------------------------------------------------------------ fallback
     def _make_fallback(self, engine_cls) -> StepEngine:
         if issubclass(engine_cls, CompiledEngine):
@@ -370,8 +429,7 @@ class CompiledEngine(StepEngine):
             snapshot.restore()
             snapshot.release()
             error = error.error if isinstance(error, _ForwardFailed) else error
-            self._fall_back_train(self._hook, describe_error(error), EagerEngine)
-            return self.train_step(batch, update)
+            return self._train_elsewhere(batch, update, error)
         snapshot.release()
         if update:
             self._trusted = True
@@ -383,14 +441,38 @@ class CompiledEngine(StepEngine):
         try:
             return self._compiled_train_step(batch, update)
         except _ForwardFailed as failure:
-            self._fall_back_train(self._hook, describe_error(failure.error), EagerEngine)
-            return self.train_step(batch, update)
+            return self._train_elsewhere(batch, update, failure.error)
+
+    def _train_elsewhere(self, batch, update: bool, error: BaseException) -> dict:
+        # A step that failed, and was undone, runs again: compiled with graph breaks where the
+        # whole trace of the forward met one (and fullgraph was not given), else eagerly.
+        if self._hook == TRAIN_HOOK and self._functions.may_break(TRAIN_HOOK, error):
+            self._functions.allow_breaks(TRAIN_HOOK)
+            batch_output = self.train_step(batch, update)
+            if self._train_fallback is None:
+                self._warn_breaks(TRAIN_HOOK, error)
+            return batch_output
+        self._fall_back_train(self._hook, describe_error(error), EagerEngine)
+        return self.train_step(batch, update)
+
+    def _warn_breaks(self, hook: str, error: BaseException) -> None:
+        report = self._functions.report(hook)
+        reasons = "; ".join(report.reasons) if report.reasons else describe_error(error)
+        warnings.warn(
+            f"fasttrain: the {hook!r} hook cannot be traced as one graph, so it runs in the "
+            f"{self.name!r} engine compiled with graph breaks: {report.graphs} graph(s), "
+            f"{report.breaks} break(s) ({reasons}). "
+            "trainer.compiled_graphs has the counts; compile_options={'fullgraph': False} accepts "
+            "breaks without this warning, {'fullgraph': True} runs such a hook eagerly instead.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _compiled_train_step(self, batch, update: bool) -> dict:
         trainer = self.trainer
         # DDP reads no_sync's flag in its forward, so the forward runs inside the context too
         with self.no_sync_context(update):
-            self._hook = "calculate_train_batch_loss"
+            self._hook = TRAIN_HOOK
             try:
                 batch_output, loss = self._functions.train_forward(self.ctx, batch)
             except Exception as error:  # noqa: BLE001
@@ -403,7 +485,7 @@ class CompiledEngine(StepEngine):
             except Exception as error:  # noqa: BLE001
                 # AOTAutograd compiles a new shape's backward on its first call, before it runs:
                 # with the whole forward in one graph, nothing was accumulated yet
-                if _is_control_flow(error) or self.settings.fullgraph is False:
+                if _is_control_flow(error) or not self._functions.is_whole(TRAIN_HOOK):
                     raise
                 raise _ForwardFailed(error) from error
         if update:
@@ -475,7 +557,13 @@ class CompiledEngine(StepEngine):
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
             if _is_control_flow(error):
                 raise
-            self._fall_back_eval("calculate_eval_batch_loss", describe_error(error), EagerEngine)
+            if self._functions.may_break(EVAL_HOOK, error):
+                self._functions.allow_breaks(EVAL_HOOK)
+                batch_output = self.eval_step(batch)
+                if self._eval_fallback is None:
+                    self._warn_breaks(EVAL_HOOK, error)
+                return batch_output
+            self._fall_back_eval(EVAL_HOOK, describe_error(error), EagerEngine)
             return self.eval_step(batch)
         if recompile_limit.hit_count() != self._hits_seen:
             self._limit_hit(training=False)

@@ -414,6 +414,13 @@ class Trainer:
         """The engine that ran the last training steps (after any fallback)."""
         return self._runner.active_engine if self._runner is not None else None
 
+    @property
+    def compiled_graphs(self) -> dict:
+        """What the compiled step's forward hooks became (``fasttrain.Trainer.compiled_graphs``):
+        the training and validation steps appear as ``calculate_train_batch_loss`` and
+        ``calculate_eval_batch_loss``."""
+        return self._runner.compiled_graphs if self._runner is not None else {}
+
     def print(self, *args, **kwargs) -> None:
         if self.is_global_zero:
             print(*args, **kwargs)

@@ -1,0 +1,71 @@
+"""Logger calls inside compiled hooks are left out of the trace instead of breaking the graph.
+
+Dynamo cannot trace a ``logging.Logger`` method: each call in a forward (transformers' models call
+``logger.warning_once`` in theirs) is a graph break, or a failed trace under ``fullgraph=True``.
+``torch._dynamo.config.ignore_logging_functions`` (torch >= 2.11; ``ignore_logger_methods`` is its
+older name) lists functions that tracing treats as no-ops. fasttrain adds the Logger's methods to
+it only while one of its compiled functions is called (tracing, if any, happens inside that call)
+and takes them out again after, so a ``torch.compile`` of the user's own is not affected. The cost
+is two set updates per call, well under a microsecond (``torch._dynamo.config.patch`` costs about
+a hundred microseconds).
+
+What it means for the messages: a call left out of a compiled graph does not run, so a message a
+model logs from inside its compiled forward is not printed (it is when the hook runs eagerly).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+__all__ = ["LOGGER_METHOD_NAMES", "ignoring_logger_calls", "logger_methods", "with_logger_calls_ignored"]
+
+#: the methods of ``logging.Logger`` whose calls are left out; the ``*_once`` and ``warning_advice``
+#: methods are the ones transformers adds to the class when it is imported
+LOGGER_METHOD_NAMES = (
+    "debug", "info", "warning", "warn", "error", "exception", "critical", "log",
+    "warning_once", "info_once", "warning_advice",
+)
+
+
+def logger_methods() -> set:
+    """The Logger methods to ignore now (transformers may have added some since the last call)."""
+    return {method for method in (getattr(logging.Logger, name, None) for name in LOGGER_METHOD_NAMES) if method}
+
+
+def _ignore_set():
+    # None where this torch has no such setting: logger calls then break the graph as before
+    return getattr(torch._dynamo.config, "ignore_logging_functions", None)
+
+
+class ignoring_logger_calls:
+    """A context in which dynamo traces Logger method calls as no-ops (the ones it did not ignore
+    already are added, and removed again on exit)."""
+
+    __slots__ = ("added",)
+
+    def __enter__(self):
+        ignored = _ignore_set()
+        self.added = ()
+        if ignored is not None:
+            self.added = tuple(method for method in logger_methods() if method not in ignored)
+            ignored.update(self.added)
+        return self
+
+    def __exit__(self, *exc_info):
+        ignored = _ignore_set()
+        if ignored is not None:
+            ignored.difference_update(self.added)
+        return False
+
+
+def with_logger_calls_ignored(compiled):
+    """``compiled`` (a ``torch.compile``d function) called inside :class:`ignoring_logger_calls`."""
+
+    def call(*args, **kwargs):
+        with ignoring_logger_calls():
+            return compiled(*args, **kwargs)
+
+    call.compiled = compiled
+    return call
