@@ -112,3 +112,22 @@ def test_a_resume_after_an_epoch_sees_lightnings_batches(tmp_path):
     assert [s[:2] for s in reference.seen[:1]] == [(1, 0)] and len(reference.seen) == 8
     assert ours.seen == reference.seen
     assert_same_weights(reference, ours)
+
+
+class SeenInValidation(Seen):
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(("val", self.current_epoch, batch_idx, batch[0][:, 0].int().tolist()))
+
+
+@pytest.mark.parametrize("limit", [1.0, 2])
+def test_a_shuffled_validation_loader_sees_lightnings_batches(limit):
+    def action(trainer):
+        module = SeenInValidation()
+        trainer.fit(module, _shuffled(3), DataLoader(INDEXED, batch_size=4, shuffle=True,
+                                                     generator=torch.Generator().manual_seed(9)))
+        return module
+
+    out = run_both(action, max_epochs=3, limit_val_batches=limit, num_sanity_val_steps=1)
+    reference, ours = out["lightning"], out["fasttrain"]
+    assert sum(1 for s in reference.seen if s[0] == "val") == 1 + 3 * (4 if limit == 1.0 else 2)
+    assert ours.seen == reference.seen
