@@ -123,8 +123,10 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$SCRATCH/inductor-cach
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}
 # the caches can take hundreds of MB; the logs stay for a look afterwards
 trap 'rm -rf "$SCRATCH/inductor-cache" "$SCRATCH/triton-cache" "$SCRATCH/site"' EXIT
-# no bytecode caches in the working copy
+# no bytecode caches in the working copy, and no example database (hypothesis keeps one in the
+# current folder unless told otherwise)
 export PYTHONDONTWRITEBYTECODE=1
+export HYPOTHESIS_STORAGE_DIRECTORY=$SCRATCH/hypothesis
 mkdir -p "$SCRATCH/logs" "$SCRATCH/steps"
 
 SETUP_ARGS=(--device "$DEVICE")
@@ -132,6 +134,7 @@ if [ -n "$WHEELS" ]; then
     SETUP_ARGS+=(--wheels "$WHEELS" --target "$SCRATCH/site")
     export PYTHONPATH="$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+[ "$DEVICE" = cpu ] && SETUP_LIMIT_S=$(( SETUP_LIMIT_S * CPU_LIMIT_FACTOR ))
 timeout --kill-after=10 "$SETUP_LIMIT_S" "$PY" benchmarks/setup_env.py "${SETUP_ARGS[@]}" 2>"$SCRATCH/logs/setup.log"
 rc=$?
 if [ $rc -ne 0 ]; then
