@@ -6,13 +6,8 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import math
-import signal
-import sys
-import threading
 import warnings
 from types import SimpleNamespace
-from typing import Any, Callable
 
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
@@ -37,11 +32,11 @@ from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
     HookCaller,
-    callback_overrides,
     merge_module_callbacks,
     module_overrides,
 )
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
+from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.runner import ModuleRunner
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -181,61 +176,6 @@ def _setup_hooks(lt, stage) -> None:
     for results in (lt._train_results, lt._val_results, lt._test_results):
         results.reset()
     lt._logger_connector.reset_metrics()
-
-
-def _teardown(lt, stage: str) -> None:
-    """The end of a run that did not raise: the teardown hooks (DataModule, callbacks, module),
-    the loggers finalized."""
-    dm = lt.datamodule
-    if dm is not None:
-        dm.teardown(stage=stage)
-    lt._hooks("teardown", stage=stage)
-    lt.lightning_module._current_fx_name = None
-    lt.lightning_module._metric_attributes = None
-    for logger in lt.loggers:
-        logger.finalize("success")
-    lt.state.status = TrainerStatus.FINISHED
-
-
-def _interrupt(lt, error: BaseException) -> None:
-    """Lightning's reaction to an error in a run: the callbacks' ``on_exception`` hooks, then the
-    DataModule's (a LightningModule has none), the loggers finalized as failed. The teardown
-    hooks do not run."""
-    lt._progress.close()
-    lt.state.status = TrainerStatus.INTERRUPTED
-    module = lt.lightning_module
-    previous = module._current_fx_name if module is not None else None
-    # the trainer's callbacks as they are now (a failure may come before a run resolved its hooks)
-    for callback in lt.callbacks:
-        if callback_overrides(callback, "on_exception"):
-            if module is not None:
-                module._current_fx_name = "on_exception"
-            callback.on_exception(lt, module, error)
-    if module is not None:
-        module._current_fx_name = previous
-    dm = lt.datamodule
-    if dm is not None and callable(dm.on_exception):
-        dm.on_exception(error)
-    for logger in lt.loggers:
-        logger.finalize("failed")
-
-
-def _handle_errors(lt, run: Callable[[], Any]):
-    """``run()``'s result, with Lightning's handling of an error escaping it: ``on_exception``
-    hooks (:func:`_interrupt`) and the error re-raised; a KeyboardInterrupt ends the process
-    with ``sys.exit(1)`` after Lightning's message, SIGINT ignored from then on so that a
-    second Ctrl-C cannot cut the shutdown short."""
-    try:
-        return run()
-    except KeyboardInterrupt as error:
-        rank_zero_info("\nDetected KeyboardInterrupt, attempting graceful shutdown ...")
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _interrupt(lt, error)
-        sys.exit(1)
-    except BaseException as error:
-        _interrupt(lt, error)
-        raise
 
 
 def _restore_weights(lt, ckpt_path, weights_only) -> None:
@@ -415,7 +355,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     # its warning) or -1 (when max_steps or max_time bounds the fit)
     lt.min_epochs, lt.max_epochs = _parse_loop_limits(lt.min_steps, lt.max_steps, lt.min_epochs, lt.max_epochs, lt)
     _barebones_notice(lt)
-    _handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only))
+    handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only))
 
 
 def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> None:
@@ -501,7 +441,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
         lt._load_train_data = None
     lt.training = True  # on_fit_end and teardown run in the training stage, as in Lightning
     hooks("on_fit_end")
-    _teardown(lt, TrainerFn.FITTING)
+    teardown(lt, TrainerFn.FITTING)
     lt.training = False
 
 
@@ -544,7 +484,7 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, fn)
-    return _handle_errors(lt, functools.partial(_evaluate, lt, stage, dataloaders, ckpt_path, weights_only))
+    return handle_errors(lt, functools.partial(_evaluate, lt, stage, dataloaders, ckpt_path, weights_only))
 
 
 def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
@@ -570,7 +510,7 @@ def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
     logged = run_evaluation(lt, runner, stage)
-    _teardown(lt, fn)
+    teardown(lt, fn)
     return logged
 
 
@@ -578,7 +518,7 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, w
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
-    predictions = _handle_errors(lt, functools.partial(_predict, lt, dataloaders, ckpt_path, weights_only))
+    predictions = handle_errors(lt, functools.partial(_predict, lt, dataloaders, ckpt_path, weights_only))
     return None if return_predictions is False else predictions
 
 
@@ -596,5 +536,5 @@ def _predict(lt, dataloaders, ckpt_path, weights_only) -> list:
     _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])
     predictions = run_predict(lt, runner, loaders)
-    _teardown(lt, TrainerFn.PREDICTING)
+    teardown(lt, TrainerFn.PREDICTING)
     return predictions

@@ -1,0 +1,70 @@
+"""How a Lightning run ends, as Lightning ends it: the teardown hooks after a run that did not
+raise; after one that did, the callbacks' and the DataModule's ``on_exception`` instead, and a
+KeyboardInterrupt turned into a clean ``sys.exit(1)``."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from fasttrain.lightning.hooks import callback_overrides
+
+
+def teardown(lt, stage: str) -> None:
+    """The end of a run that did not raise: the teardown hooks (DataModule, callbacks, module),
+    the loggers finalized."""
+    dm = lt.datamodule
+    if dm is not None:
+        dm.teardown(stage=stage)
+    lt._hooks("teardown", stage=stage)
+    lt.lightning_module._current_fx_name = None
+    lt.lightning_module._metric_attributes = None
+    for logger in lt.loggers:
+        logger.finalize("success")
+    lt.state.status = TrainerStatus.FINISHED
+
+
+def interrupt(lt, error: BaseException) -> None:
+    """Lightning's reaction to an error in a run: the callbacks' ``on_exception`` hooks, then the
+    DataModule's (a LightningModule has none), the loggers finalized as failed. The teardown
+    hooks do not run."""
+    lt._progress.close()
+    lt.state.status = TrainerStatus.INTERRUPTED
+    module = lt.lightning_module
+    previous = module._current_fx_name if module is not None else None
+    # the trainer's callbacks as they are now (a failure may come before a run resolved its hooks)
+    for callback in lt.callbacks:
+        if callback_overrides(callback, "on_exception"):
+            if module is not None:
+                module._current_fx_name = "on_exception"
+            callback.on_exception(lt, module, error)
+    if module is not None:
+        module._current_fx_name = previous
+    dm = lt.datamodule
+    if dm is not None and callable(dm.on_exception):
+        dm.on_exception(error)
+    for logger in lt.loggers:
+        logger.finalize("failed")
+
+
+def handle_errors(lt, run: Callable[[], Any]):
+    """``run()``'s result, with Lightning's handling of an error escaping it: ``on_exception``
+    hooks (:func:`interrupt`) and the error re-raised; a KeyboardInterrupt ends the process
+    with ``sys.exit(1)`` after Lightning's message, SIGINT ignored from then on so that a
+    second Ctrl-C cannot cut the shutdown short."""
+    try:
+        return run()
+    except KeyboardInterrupt as error:
+        rank_zero_info("\nDetected KeyboardInterrupt, attempting graceful shutdown ...")
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        interrupt(lt, error)
+        sys.exit(1)
+    except BaseException as error:
+        interrupt(lt, error)
+        raise
