@@ -136,21 +136,6 @@ def write(checkpoint: dict, filepath) -> None:
         torch.save(checkpoint, tmp)
 
 
-def resolve_path(lt, ckpt_path) -> str:
-    if ckpt_path in ("best", "last"):
-        callback = lt.checkpoint_callback
-        path = None
-        if callback is not None:
-            path = callback.best_model_path if ckpt_path == "best" else callback.last_model_path
-        if not path:
-            raise ValueError(f"ckpt_path={ckpt_path!r} but no checkpoint callback saved a {ckpt_path} checkpoint")
-        return path
-    path = os.fspath(ckpt_path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"ckpt_path {path!r} is not a file")
-    return path
-
-
 def load(path: str, weights_only: Optional[bool] = None) -> dict:
     """``torch.load`` of a checkpoint as Lightning loads a local file: ``weights_only`` is passed
     on, and None leaves the choice to torch (safe loading: tensors and plain Python values only,

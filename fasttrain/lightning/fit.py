@@ -12,15 +12,17 @@ from types import SimpleNamespace
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.loops.utilities import _parse_loop_limits
 from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches, _worker_check
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.model_summary import summarize
+from lightning.pytorch.utilities.parsing import clean_namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -28,6 +30,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches
+from fasttrain.lightning.ckpt_path import select as select_ckpt_path
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
@@ -53,12 +56,21 @@ def _as_list(loaders) -> list:
 
 
 def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
-    if model is None:
+    if model is None and fn is not TrainerFn.FITTING:
         model = lt._module
         if model is None:
-            raise ValueError(f"{fn.value}() needs a LightningModule: pass model=...")
+            raise TypeError(
+                f"`Trainer.{fn.value}()` requires a `LightningModule` when it hasn't been passed in a previous run"
+            )
+    else:
+        # Lightning's check (its TypeError), unwrapping a torch.compile'd module as it does
+        model = _maybe_unwrap_optimized(model)
     if not isinstance(model, LightningModule):
         raise TypeError(f"expected a lightning.LightningModule, got {type(model).__name__}")
+    if hasattr(model, "hparams"):
+        # Lightning drops hyperparameters that cannot be pickled (with its warning), so that
+        # checkpoints can be saved
+        clean_namespace(model.hparams)
     if datamodule is not None and not isinstance(datamodule, LightningDataModule):
         raise TypeError(f"datamodule must be a lightning.LightningDataModule, got {type(datamodule).__name__}")
     lt._module = model
@@ -178,12 +190,21 @@ def _setup_hooks(lt, stage) -> None:
     lt._logger_connector.reset_metrics()
 
 
-def _restore_weights(lt, ckpt_path, weights_only) -> None:
-    """The weights of ``ckpt_path`` ("best", "last" or a file), for an evaluation or prediction;
+def _checkpoint_to_load(lt, fn: TrainerFn, choice: tuple):
+    """The file a run loads (None: none), from ``choice`` = (the ``ckpt_path`` argument, whether
+    a model was passed, whether the trainer held a module before this call), as Lightning
+    chooses it; it becomes ``trainer.ckpt_path``."""
+    ckpt_path, model_provided, model_connected = choice
+    path = select_ckpt_path(lt, fn.value, ckpt_path, model_provided, model_connected)
+    lt._ckpt_path = path
+    return path
+
+
+def _restore_weights(lt, path, weights_only) -> None:
+    """The weights of the checkpoint ``path`` (when not None), for an evaluation or prediction;
     ``weights_only`` as for ``torch.load`` (None: safe loading)."""
-    if ckpt_path is not None:
-        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        ckpt_io.restore_module(lt, lt.ckpt_path, weights_only)
+    if path is not None:
+        ckpt_io.restore_module(lt, path, weights_only)
 
 
 def _loader(lt, given, hook: str):
@@ -350,15 +371,17 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
         raise ValueError("pass either dataloaders or a datamodule to fit(), not both")
     if isinstance(train_dataloaders, LightningDataModule):
         datamodule, train_dataloaders = train_dataloaders, None
+    choice = (ckpt_path, True, lt._module is not None)
     _attach(lt, model, datamodule, TrainerFn.FITTING)
     # Lightning decides the loop limits when a fit starts: max_epochs None becomes 1000 (with
     # its warning) or -1 (when max_steps or max_time bounds the fit)
     lt.min_epochs, lt.max_epochs = _parse_loop_limits(lt.min_steps, lt.max_steps, lt.min_epochs, lt.max_epochs, lt)
     _barebones_notice(lt)
-    handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only))
+    handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, choice, weights_only))
 
 
-def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> None:
+def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
+    ckpt_path = _checkpoint_to_load(lt, TrainerFn.FITTING, choice)
     module = lt.lightning_module
     _verify_fit(module)
     lt.training = True
@@ -366,8 +389,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
     _setup_hooks(lt, TrainerFn.FITTING)
     checkpoint = None
     if ckpt_path is not None:
-        lt.ckpt_path = ckpt_io.resolve_path(lt, ckpt_path)
-        checkpoint = ckpt_io.restore_module(lt, lt.ckpt_path, weights_only)
+        checkpoint = ckpt_io.restore_module(lt, ckpt_path, weights_only)
         ckpt_io.restore_datamodule_and_callbacks(lt, checkpoint)
     _to_device(lt, runner)
     # no dataloader is requested before on_fit_start unless configure_optimizers reads
@@ -384,12 +406,9 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
             f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization takes one. "
             "Set self.automatic_optimization = False to step several yourself."
         )
-    strategy = lt.strategy
-    strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, strategy) for o in optimizers]
     if not module.automatic_optimization:
         _check_manual(lt)
-        for lightning_optimizer in strategy._lightning_optimizers:
-            lightning_optimizer._on_after_step = lt._manual_optimizer_stepped
+    lt._wrap_optimizers()
     hooks = lt._hooks
     lt._module_steps = module_overrides(module, "optimizer_step") or any(map(_needs_closure, optimizers))
     lt._custom_clipping = module_overrides(module, "configure_gradient_clipping")
@@ -411,7 +430,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, ckpt_path, weights_only) -> Non
         if lt.enable_autolog_hparams:
             _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
         if checkpoint is not None:
-            ckpt_io.restore_training_state(lt, lt.ckpt_path, checkpoint)
+            ckpt_io.restore_training_state(lt, ckpt_path, checkpoint)
         _load_data(lt, val_dataloaders)
         interval = lt.val_check_interval
         if (
@@ -483,12 +502,14 @@ def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_
     fn = TrainerFn.TESTING if stage == "test" else TrainerFn.VALIDATING
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
+    choice = (ckpt_path, model is not None, lt._module is not None)
     _attach(lt, model, datamodule, fn)
-    return handle_errors(lt, functools.partial(_evaluate, lt, stage, dataloaders, ckpt_path, weights_only))
+    return handle_errors(lt, functools.partial(_evaluate, lt, stage, dataloaders, choice, weights_only))
 
 
-def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
+def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     fn = lt.state.fn
+    ckpt_path = _checkpoint_to_load(lt, fn, choice)
     step = "test_step" if stage == "test" else "validation_step"
     if not is_overridden(step, lt.lightning_module):  # also a step set to None on the instance
         raise LightningConfigError(f"No `{step}()` method defined to run `Trainer.{stage}`.")
@@ -517,12 +538,14 @@ def _evaluate(lt, stage: str, dataloaders, ckpt_path, weights_only) -> list:
 def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only=None):
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
+    choice = (ckpt_path, model is not None, lt._module is not None)
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
-    predictions = handle_errors(lt, functools.partial(_predict, lt, dataloaders, ckpt_path, weights_only))
+    predictions = handle_errors(lt, functools.partial(_predict, lt, dataloaders, choice, weights_only))
     return None if return_predictions is False else predictions
 
 
-def _predict(lt, dataloaders, ckpt_path, weights_only) -> list:
+def _predict(lt, dataloaders, choice, weights_only) -> list:
+    ckpt_path = _checkpoint_to_load(lt, TrainerFn.PREDICTING, choice)
     if lt.lightning_module.predict_step is None:
         raise LightningConfigError("`predict_step` cannot be None to run `Trainer.predict`")
     runner = _runner(lt, "eager")

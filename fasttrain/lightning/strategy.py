@@ -28,6 +28,11 @@ class Strategy:
         self._trainer = trainer  # fasttrain.lightning.Trainer
         self._lightning_optimizers: list = []
 
+    def __getstate__(self) -> dict:
+        # the wrappers' classes are built per optimizer class and cannot be pickled by name;
+        # the trainer rebuilds them when it is loaded
+        return {**self.__dict__, "_lightning_optimizers": []}
+
     # ------------------------------------------------------------------ placement
     @property
     def root_device(self) -> torch.device:

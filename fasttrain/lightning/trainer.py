@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.utilities.registry import _load_external_callbacks
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, Timer
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.connectors.callback_connector import _validate_callbacks_list
 from lightning.pytorch.plugins.precision import Precision
@@ -123,7 +124,9 @@ class Trainer:
         self.datamodule = None
         self.optimizers: list = []
         self.lr_scheduler_configs: list = []
-        self.ckpt_path = None
+        #: the checkpoint the last run loaded (None: none), or the one set through trainer.ckpt_path
+        self._ckpt_path = None
+        self._ckpt_path_user_managed = False
         #: a fit resumed inside an epoch (or limited by max_steps): no sanity check, as in Lightning
         self._restarting = False
         #: loads the fit's training data when something reads the estimate before the fit
@@ -263,6 +266,17 @@ class Trainer:
     @property
     def num_devices(self) -> int:
         return self.world_size
+
+    @property
+    def ckpt_path(self):
+        """The checkpoint the last ``fit``/``validate``/``test``/``predict`` loaded; assigning
+        one makes the next run load it (Lightning's stateful ``ckpt_path``)."""
+        return self._ckpt_path
+
+    @ckpt_path.setter
+    def ckpt_path(self, path) -> None:
+        self._ckpt_path = path
+        self._ckpt_path_user_managed = bool(path)
 
     @property
     def logger(self):
@@ -460,6 +474,29 @@ class Trainer:
         if self.is_global_zero:
             ckpt_io.write(checkpoint, filepath)
         self.strategy.barrier("save_checkpoint")
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        # torch.save(trainer) works as under Lightning: the run's engine and accelerator (the
+        # runner) are not kept, nor the optimizer wrappers (classes Lightning builds per
+        # optimizer class, which pickle cannot find by name); they are rebuilt on loading
+        state = self.__dict__.copy()
+        state["_runner"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._wrap_optimizers()
+
+    def _wrap_optimizers(self) -> None:
+        """``strategy._lightning_optimizers`` for ``self.optimizers`` (what ``self.optimizers()``
+        returns to the module); under manual optimization each step counts a global step."""
+        strategy = self.strategy
+        strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, strategy) for o in self.optimizers]
+        module = self._module
+        if module is not None and not module.automatic_optimization:
+            for lightning_optimizer in strategy._lightning_optimizers:
+                lightning_optimizer._on_after_step = self._manual_optimizer_stepped
 
     # ------------------------------------------------------------------ loop support
     def _scaler(self):

@@ -1,0 +1,140 @@
+"""Checkpoint behaviour compared with lightning.Trainer: validate/test/predict without a model
+after fit load the best checkpoint (with Lightning's warning) and set trainer.ckpt_path;
+ckpt_path="last" without a last checkpoint warns and starts fresh, and finds last.ckpt in the
+checkpoint folder that another trainer wrote; an unpicklable hyperparameter is dropped with a
+warning; torch.save(trainer) works after fit; the errors for a missing or wrong model."""
+
+import io
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from fasttrain.lightning import Trainer  # noqa: E402
+from lightning_modules import QUIET, VAL, Classifier, assert_same_weights, loader, train_loader  # noqa: E402
+
+BOTH = (L.Trainer, Trainer)
+KWARGS = {k: v for k, v in QUIET.items() if k != "enable_checkpointing"}
+
+
+def val_loader():
+    return loader(VAL, batch_size=5)
+
+
+def _fitted(trainer_cls, folder, epochs=4, **callback_kwargs):
+    torch.manual_seed(0)
+    module = Classifier(lr=0.3)  # a large step, so the best epoch is not the last
+    torch.manual_seed(1)
+    callback = ModelCheckpoint(dirpath=folder, monitor="val_loss", **callback_kwargs)
+    trainer = trainer_cls(max_epochs=epochs, callbacks=[callback], **KWARGS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_loader(), val_loader())
+    return trainer, module
+
+
+@pytest.mark.parametrize("call", ["validate", "test", "predict"])
+def test_a_run_without_a_model_after_fit_loads_the_best_checkpoint_like_lightning(tmp_path, call):
+    results = []
+    for trainer_cls in BOTH:
+        folder = tmp_path / trainer_cls.__module__
+        trainer, module = _fitted(trainer_cls, folder)
+        best = trainer.checkpoint_callback.best_model_path
+        assert best and best != trainer.checkpoint_callback.last_model_path
+        with pytest.warns(UserWarning, match=rf"`.{call}\(ckpt_path=None\)` was called without a model. The best"):
+            if call == "predict":
+                out = torch.cat(trainer.predict(dataloaders=val_loader()))
+            else:
+                out = getattr(trainer, call)(dataloaders=val_loader(), verbose=False)
+        assert trainer.ckpt_path == best
+        results.append((out, Path(best).name))
+    (theirs, their_best), (ours, our_best) = results
+    assert our_best == their_best
+    if isinstance(ours, torch.Tensor):
+        assert torch.equal(ours, theirs)
+    else:
+        assert ours == pytest.approx(theirs, abs=1e-6)
+
+
+def test_ckpt_path_last_without_a_last_checkpoint_warns_and_starts_fresh(tmp_path):
+    modules = []
+    for trainer_cls in BOTH:
+        torch.manual_seed(0)
+        module = Classifier()
+        torch.manual_seed(1)
+        trainer = trainer_cls(max_epochs=2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "none")], **KWARGS)
+        with pytest.warns(UserWarning, match=r'ckpt_path="last"\) is set, but there is no last checkpoint available'):
+            trainer.fit(module, train_loader(), ckpt_path="last")
+        assert trainer.global_step == 12 and trainer.ckpt_path is None
+        modules.append(module)
+    assert_same_weights(*modules)
+
+
+def test_ckpt_path_last_finds_the_last_checkpoint_another_trainer_wrote(tmp_path):
+    modules = []
+    for trainer_cls in BOTH:
+        folder = tmp_path / trainer_cls.__module__
+        _fitted(trainer_cls, folder, epochs=2, save_last=True)
+        torch.manual_seed(0)
+        module = Classifier(lr=0.3)
+        torch.manual_seed(2)
+        # this trainer's checkpoint callback does not save a last checkpoint itself
+        trainer = trainer_cls(max_epochs=3, callbacks=[ModelCheckpoint(dirpath=folder, monitor="val_loss")], **KWARGS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, train_loader(), val_loader(), ckpt_path="last")
+        assert Path(trainer.ckpt_path) == folder / "last.ckpt"
+        assert trainer.global_step == 18 and trainer.current_epoch == 3
+        modules.append(module)
+    assert_same_weights(*modules)
+
+
+class WithFunction(Classifier):
+    def __init__(self, transform=lambda x: x * 2, lr=0.05):
+        super().__init__(lr=lr)
+        self.save_hyperparameters()
+
+
+def test_an_unpicklable_hyperparameter_is_dropped_with_lightnings_warning(tmp_path):
+    saved = []
+    for trainer_cls in BOTH:
+        module = WithFunction()
+        trainer = trainer_cls(max_epochs=1, **QUIET)
+        with pytest.warns(UserWarning, match="Attribute 'transform' removed from hparams because it cannot be pickled"):
+            trainer.fit(module, train_loader())
+        path = tmp_path / f"{trainer_cls.__module__}.ckpt"
+        trainer.save_checkpoint(path)
+        saved.append(torch.load(path, weights_only=False)["hyper_parameters"])
+    assert saved[0] == saved[1] == {"features": 6, "classes": 3, "lr": 0.05}
+
+
+def test_torch_save_of_a_fitted_trainer_works_like_lightning():
+    for trainer_cls in BOTH:
+        trainer = trainer_cls(max_epochs=1, **QUIET)
+        module = Classifier()
+        trainer.fit(module, train_loader(), val_loader())
+        buffer = io.BytesIO()
+        torch.save(trainer, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert loaded.global_step == 6
+        assert_same_weights(module, loaded.lightning_module)
+        assert loaded.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
+        assert len(loaded.strategy._lightning_optimizers) == 1
+
+
+@pytest.mark.parametrize("call", ["validate", "test", "predict"])
+def test_errors_for_a_missing_or_wrong_model_are_lightnings(call):
+    for trainer_cls in BOTH:
+        with pytest.raises(TypeError, match=rf"`Trainer.{call}\(\)` requires a `LightningModule` when it hasn't"):
+            getattr(trainer_cls(**QUIET), call)(dataloaders=val_loader())
+        with pytest.raises(TypeError, match="`model` must be a `LightningModule` or `torch._dynamo.OptimizedModule`"):
+            getattr(trainer_cls(**QUIET), call)(torch.nn.Linear(2, 2), val_loader())
