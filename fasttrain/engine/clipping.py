@@ -8,6 +8,16 @@ Sharded gradients (FSDP2's DTensors) are clipped on each process's local shards:
 measure the local sum of squares, one all-reduce over the shard group adds the sums (and the
 non-finite flags) of all processes, and the same scale is applied locally everywhere
 (:class:`ShardedGradients`). The norm is the one of the whole, unsharded gradient.
+
+Gradients that share one storage (FSDP2's shards, views of one reduce-scatter output; DDP's
+``gradient_as_bucket_view``; a flat gradient buffer) are clipped outside compiled graphs
+(:meth:`GradientClipper.note_gradient_layout`). Inductor does not let one call of a mutating
+custom op (the clipping kernels) update several views of one storage in place: for every view
+after the first it clones the whole storage, runs the kernel on the clone and copies the view
+back. torch 2.11's inductor reads that clone from the view's own data pointer instead of the
+storage's start (the view's storage offset counted twice), so what is copied back is other
+memory: wrong weights, with no error. torch 2.13 copies correctly, but still copies the whole
+storage per view and update; run eagerly, the kernels clip in place.
 """
 
 from __future__ import annotations
@@ -37,6 +47,12 @@ def _dtensor_type():
     from torch.distributed.tensor import DTensor
 
     return DTensor
+
+
+@torch.compiler.disable
+def _outside_graphs(fn, *args):
+    # a graph break: dynamo runs ``fn`` eagerly on the real tensors and resumes tracing after it
+    return fn(*args)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -176,6 +192,22 @@ class GradientClipper:
             # a layout one all-reduce cannot serve matters only when something asks for the
             # gradients' norm or flag: with nonfinite="skip", at the first update
             self._unsupported = error
+        #: set by :meth:`note_gradient_layout`: some gradients share a storage, so a compiled
+        #: function clips them eagerly (the module's docstring says why)
+        self.clips_outside_graphs = False
+
+    def note_gradient_layout(self) -> None:
+        """Look, once the gradients exist and before the first compiled update, whether two of
+        them share a storage; a compiled caller then runs the clipping outside its graph. The
+        layout stays for the run: FSDP2 reduce-scatters every update into a buffer laid out the
+        same way, DDP's bucket views stay the gradients. No device work, no host read."""
+        if self.sharding is not None:
+            shards, whole = self.sharding.local_gradients()
+            grads = shards + whole
+        else:
+            grads = gradients_of(self.parameters)
+        storages = [g.untyped_storage().data_ptr() for g in grads]
+        self.clips_outside_graphs = len(set(storages)) < len(storages)
 
     @property
     def always_communicates(self) -> bool:
@@ -189,6 +221,11 @@ class GradientClipper:
         ``check_finite``: ``found_inf`` must end up raised exactly when some gradient is not
         finite, also when not clipping (the non-finite guard's check; without it, clipping by
         value alone needs no communication when sharded)."""
+        if self.clips_outside_graphs and torch.compiler.is_compiling():
+            return _outside_graphs(self._clip, check_finite)
+        return self._clip(check_finite)
+
+    def _clip(self, check_finite: bool) -> Optional[torch.Tensor]:
         if self.sharding is not None:
             return self._clip_sharded(check_finite)
         if self._unsupported is not None and check_finite:

@@ -273,6 +273,7 @@ class CompiledEngine(StepEngine):
         self._train_fallback: Optional[StepEngine] = None
         self._eval_fallback: Optional[StepEngine] = None
         self._trusted = False
+        self._clipper_noted = None
         self.training = True
         self._warned_settings = False
         self._hits_seen = 0
@@ -513,6 +514,11 @@ class CompiledEngine(StepEngine):
             if hparams.groups_replaced:
                 hparams.apply()  # the optimizer's state was loaded: hold the new groups' values
             hparams.sync()
+        clipper = getattr(trainer, "_clipper", None)
+        if clipper is not None and clipper is not self._clipper_noted:
+            # the gradients exist now, before this run's first update is traced (engine/clipping.py)
+            clipper.note_gradient_layout()
+            self._clipper_noted = clipper
         self._hook = "optimizer_step"
         norm = self._functions.update(self.ctx)
         if norm is not None:
