@@ -72,25 +72,28 @@ def resolve(trainer, resume_from):
     return chosen
 
 
-def decided_by_first_process(decide):
+def decided_by_first_process(decide, everywhere: bool = False):
     """``decide()`` run on the first process and its value (a path, None, any small picklable
     value) given to every process, so that no process lists a directory while another writes to
     it and all take the same decision. An error there is raised on every process: none is left
-    waiting for the answer."""
+    waiting for the answer. With ``everywhere`` every process runs ``decide()`` too (for its side
+    effects, such as warnings or forgetting a setting) and still takes the first process's value;
+    an error in its own ``decide()`` is raised after the answer was shared."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_world_size() == 1:
         return decide()
-    answer = [None]
-    if torch.distributed.get_rank() == 0:
+    first = torch.distributed.get_rank() == 0
+    own, error = None, None
+    if first or everywhere:
         try:
-            answer[0] = ("found", decide())
-        except Exception as e:  # told to the others, then raised here
-            answer[0] = ("error", f"{type(e).__name__}: {e}")
-            error = e
+            own = ("found", decide())
+        except Exception as e:  # told to the others (from the first process), then raised here
+            own, error = ("error", f"{type(e).__name__}: {e}"), e
+    answer = [own if first else None]
     torch.distributed.broadcast_object_list(answer, src=0)
+    if error is not None:
+        raise error
     kind, value = answer[0]
     if kind == "error":
-        if torch.distributed.get_rank() == 0:
-            raise error
         raise checkpointing.CheckpointError(f"Choosing the state to resume from failed on process 0: {value}")
     return value

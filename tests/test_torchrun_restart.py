@@ -13,21 +13,17 @@ first training step done) in seconds after the kill.
 from __future__ import annotations
 
 import random
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "dist"))
-
-from launching import run_restartable  # noqa: E402
+from launching import run_restartable
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = HERE / "dist" / "restart_worker.py"
+WORKER = Path(__file__).resolve().parent / "dist" / "restart_worker.py"
 #: one launch: two starts of two processes, each training for a few seconds
 LAUNCH_TIMEOUT_S = 240
 #: torchrun's wait for the processes it stops before it kills them (not configurable for a

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
+from fasttrain.auto_resume import decided_by_first_process
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches
@@ -195,7 +196,12 @@ def _checkpoint_to_load(lt, fn: TrainerFn, choice: tuple):
     a model was passed, whether the trainer held a module before this call), as Lightning
     chooses it; it becomes ``trainer.ckpt_path``."""
     ckpt_path, model_provided, model_connected = choice
-    path = select_ckpt_path(lt, fn.value, ckpt_path, model_provided, model_connected)
+    # every process reads ckpt_path as Lightning does (its warnings and settings alike), and the
+    # first process's file is the one all of them load: "last" names the newest file of a folder
+    # another process may be writing to, or that differs between nodes
+    path = decided_by_first_process(
+        lambda: select_ckpt_path(lt, fn.value, ckpt_path, model_provided, model_connected), everywhere=True
+    )
     lt._ckpt_path = path
     return path
 
@@ -381,11 +387,12 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
 
 
 def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
-    ckpt_path = _checkpoint_to_load(lt, TrainerFn.FITTING, choice)
     module = lt.lightning_module
     _verify_fit(module)
     lt.training = True
     runner = _runner(lt, "eager")
+    # once the process group exists (the runner starts it), so that the processes agree
+    ckpt_path = _checkpoint_to_load(lt, TrainerFn.FITTING, choice)
     _setup_hooks(lt, TrainerFn.FITTING)
     checkpoint = None
     if ckpt_path is not None:
