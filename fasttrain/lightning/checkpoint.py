@@ -17,6 +17,7 @@ from typing import Optional
 
 import lightning
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from fasttrain.checkpoint_files import CheckpointError, replaced_atomically
 from fasttrain.engine.hyperparams import plain_optimizer_state
@@ -177,6 +178,13 @@ def restore_datamodule_and_callbacks(lt, checkpoint: dict) -> None:
     states = checkpoint.get("callbacks")
     if states is None:
         return
+    missing = states.keys() - {callback.state_key for callback in lt.callbacks}
+    if missing:
+        rank_zero_warn(
+            "Be aware that when using `ckpt_path`,"
+            " callbacks used to create the checkpoint need to be provided during `Trainer` instantiation."
+            f" Please add the following callbacks: {list(missing)}.",
+        )
     module = lt.lightning_module
     for callback in lt.callbacks:
         callback.on_load_checkpoint(lt, module, checkpoint)

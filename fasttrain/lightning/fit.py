@@ -318,6 +318,13 @@ def _load_train_data(lt, given, processes: int) -> None:
     # accelerate gives each process every world-th batch (padded to the same count), so the
     # per-process count is known before the loaders are prepared
     lt.num_training_batches = num_batches(RunningStage.TRAINING, train_loader, lt.limit_train_batches, processes)
+    if lt.loggers and lt.num_training_batches < lt.log_every_n_steps and not lt.fast_dev_run:
+        rank_zero_warn(
+            f"The number of training batches ({lt.num_training_batches}) is smaller than the logging interval"
+            f" Trainer(log_every_n_steps={lt.log_every_n_steps}). Set a lower value for log_every_n_steps if"
+            " you want to see logs for the training epoch.",
+            category=PossibleUserWarning,
+        )
     lt._train_reloaded_epoch = lt.current_epoch
     runner = lt._runner
     if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
@@ -387,6 +394,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
 
 
 def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
+    _check_validation_setup(lt, val_dataloaders)
     module = lt.lightning_module
     _verify_fit(module)
     lt.training = True
@@ -479,6 +487,25 @@ def _needs_closure(optimizer) -> bool:
     except (TypeError, ValueError):
         return False
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _check_validation_setup(lt, given) -> None:
+    """Lightning's warnings for validation data without a ``validation_step`` and the reverse
+    (either way the fit does not validate)."""
+    dm = lt.datamodule
+    if given is not None:
+        has_loader = True
+    elif dm is not None:
+        has_loader = _is_overridden_dm(dm, "val_dataloader")
+    else:
+        has_loader = module_overrides(lt.lightning_module, "val_dataloader")
+    if has_loader and not lt._has_val_step:
+        rank_zero_warn("You passed in a `val_dataloader` but have no `validation_step`. Skipping val loop.")
+    if lt._has_val_step and not has_loader:
+        rank_zero_warn(
+            "You defined a `validation_step` but have no `val_dataloader`. Skipping val loop.",
+            category=PossibleUserWarning,
+        )
 
 
 def _barebones_notice(lt) -> None:

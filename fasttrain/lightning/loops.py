@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning.pytorch.trainer.states import RunningStage
@@ -107,6 +108,14 @@ def run_fit(lt, runner) -> None:
     # no .train() here: as in Lightning, each submodule keeps the mode the user left it in (a
     # frozen backbone or BatchNorm in eval mode stays so); evaluation restores the modes it found
     lt._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
+    in_eval = [name for name, m in lt.lightning_module.named_modules() if not m.training]
+    if in_eval:
+        rank_zero_warn(
+            f"Found {len(in_eval)} module(s) in eval mode at the start of training."
+            " This may lead to unexpected behavior during training. If this is intentional,"
+            " you can ignore this warning.",
+            category=PossibleUserWarning,
+        )
     hooks("on_train_start")
     k = lt.accumulate_grad_batches
     max_steps = lt.max_steps
@@ -427,6 +436,9 @@ def run_predict(lt, runner, loaders) -> list:
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
                 module._current_fx_name = "predict_step"
                 output = runner.model("predict_step", *runner.step_args("predict_step", batch, batch_idx, *extra))
+                if output is None and "predict None" not in lt._said:
+                    lt._said.add("predict None")  # once per trainer, as Lightning warns it
+                    rank_zero_warn("predict returned None if it was on purpose, ignore this warning...")
                 module._current_fx_name = None
                 hooks("on_predict_batch_end", output, batch, batch_idx, *extra)
                 predictions.append(output)

@@ -121,6 +121,10 @@ class LoggedValue:
             return self._computed
         if self.metric is not None:
             value = self.metric.compute()
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"The `.compute()` return of the metric logged as {self.name!r} must be a tensor. Found {value}"
+                )
         elif self.total is None:
             return None
         else:
