@@ -27,6 +27,7 @@
 #   --wheels DIR        wheels (pytorch-accelerated 0.1.61) installed without a registry, before
 #                       anything is checked, into the scratch folder, which goes on PYTHONPATH
 #   --tiny              the smallest sizes and the aot_eager backend for the checks (CI)
+#   --keep-scratch      keep the scratch folder (full logs, the bench's JSON) instead of removing it
 #   --gpu-sizes         with --device cpu: the GPU run's sizes, to measure on a CPU what a GPU
 #                       run compiles (steps too large for a CPU run out of their time)
 #   -- ARGS             passed on to every `fasttrain bench` call
@@ -73,6 +74,7 @@ DEST=""
 WHEELS=""
 TINY=0
 GPU_SIZES=0
+KEEP_SCRATCH=0
 BENCH_EXTRA=()
 COMMAND="bash benchmarks/run_gpu.sh $*"
 
@@ -85,8 +87,9 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=${2:-}; shift 2 ;;
         --tiny) TINY=1; shift ;;
         --gpu-sizes) GPU_SIZES=1; shift ;;
+        --keep-scratch) KEEP_SCRATCH=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) [ -z "$DEST" ] || die "one output folder only (got '$DEST' and '$1')"; DEST=$1; shift ;;
     esac
@@ -121,8 +124,12 @@ fi
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/fasttrain-gpu-run.XXXXXX") || die "cannot create a scratch folder under ${TMPDIR:-/tmp}"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$SCRATCH/inductor-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}
-# the caches can take hundreds of MB; the logs stay for a look afterwards
-trap 'rm -rf "$SCRATCH/inductor-cache" "$SCRATCH/triton-cache" "$SCRATCH/site"' EXIT
+# the caches can take hundreds of MB; what matters of the rest is in OUT already
+if [ "$KEEP_SCRATCH" = 1 ]; then
+    trap 'rm -rf "$SCRATCH/inductor-cache" "$SCRATCH/triton-cache" "$SCRATCH/site"' EXIT
+else
+    trap 'rm -rf "$SCRATCH"' EXIT
+fi
 # no bytecode caches in the working copy, and no example database (hypothesis keeps one in the
 # current folder unless told otherwise)
 export PYTHONDONTWRITEBYTECODE=1
@@ -177,7 +184,7 @@ step() {
     { time timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1; } 2>"$SCRATCH/cpu-time"
     rc=$?
     local cpu
-    cpu=$(awk '{ printf "%.0f", $1 + $2 }' "$SCRATCH/cpu-time" 2>/dev/null)
+    cpu=$(awk 'END { if (NF == 2) printf "%.0f", $1 + $2 }' "$SCRATCH/cpu-time" 2>/dev/null)
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" "${STEP_PART[$name]}" "${cpu:-}" \
         >>"$SCRATCH/steps.tsv"
     if [ $rc -ne 0 ]; then
@@ -240,5 +247,5 @@ for name in "${STEPS[@]}"; do
     esac
 done
 
-echo "results: $DEST/result.md (scratch: $SCRATCH)" >&2
+echo "results: $DEST/result.md$([ "$KEEP_SCRATCH" = 1 ] && echo " (scratch: $SCRATCH)")" >&2
 exit $FAILED

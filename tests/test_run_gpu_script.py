@@ -90,14 +90,17 @@ def test_a_part_writes_few_files_to_the_given_folder_only_and_a_timeout_loses_on
     before = _git_status()
     other = tmp_path / "env-out"  # the GPU machine's $OUT, when the folder given is another one
     other.mkdir()
-    dest = tmp_path / "out"
-    result = _sh("--device", "cpu", "--tiny", "--part", "bench", str(dest), OUT=str(other), **FAST_BENCH)
+    dest, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
+    result = _sh("--device", "cpu", "--tiny", "--part", "bench", str(dest), OUT=str(other), TMPDIR=str(scratch),
+                 **FAST_BENCH)
     assert result.returncode == 1, result.stderr
     files = sorted(os.listdir(dest))
     assert files == ["result.md", "run.json", "run.log"]  # the kernel benchmarks write no CSV
     assert len(files) <= MAX_FILES and all(NAME.match(f) and (dest / f).is_file() for f in files)
     assert all((dest / f).stat().st_size < 1 << 20 for f in files)
     assert list(other.iterdir()) == []
+    assert list(scratch.iterdir()) == []  # the scratch folder is removed at the end
     assert _git_status() == before  # nothing written under the working copy, ignored files included
     text = (dest / "result.md").read_text()
     assert "| bench | bench-mlp | TIMED OUT (exit 124) | " in text
@@ -113,7 +116,7 @@ def test_a_part_writes_few_files_to_the_given_folder_only_and_a_timeout_loses_on
 def test_each_step_writes_its_result_before_the_next_starts(tmp_path):
     """A part killed during its second step (the GPU machine's 10-minute limit) keeps the first."""
     dest = tmp_path / "out"
-    env = _env(RUN_GPU_LIMIT_S_BENCH_MLP="1")
+    env = _env(RUN_GPU_LIMIT_S_BENCH_MLP="1", TMPDIR=str(tmp_path))
     proc = subprocess.Popen(
         ["bash", SCRIPT, "--device", "cpu", "--tiny", "--part", "bench", str(dest)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
