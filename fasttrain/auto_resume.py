@@ -61,6 +61,7 @@ def resolve(trainer, resume_from):
             "SaveTrainingStateCallback(save_dir=...) to its callbacks or set "
             "Trainer(interrupt_save_dir=...), or pass the directory of a state as resume_from."
         )
+
     def newest():
         found = checkpointing.find_latest_training_state(*directories)
         return None if found is None else os.fspath(found)
