@@ -16,7 +16,7 @@ sys.path.insert(0, str(HERE / "lightning"))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from launching import finish, launch_env, start, torchrun_two  # noqa: E402
+from launching import LaunchGroup, finish, free_port, launch_env, start, torchrun_two  # noqa: E402
 from lightning_modules import QUIET, assert_same_weights, classification_data, loader  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -50,6 +50,44 @@ def test_two_processes_match_one_lightning_process(tmp_path, strategy):
         assert_same_weights(reference, ours, atol=1e-6)
         assert result["val_loss"] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1e-6)
         assert result["validated"][0]["val_loss"] == pytest.approx(result["val_loss"], abs=1e-6)
+
+
+def _reference():
+    from ddp_worker import SyncedClassifier
+
+    torch.manual_seed(0)
+    reference = SyncedClassifier()
+    trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, **QUIET)
+    trainer.fit(reference, loader(classification_data(), batch_size=8), loader(classification_data(n=16, seed=1), 8))
+    return trainer, reference
+
+
+def test_two_nodes_through_torchrun_match_one_lightning_process(tmp_path):
+    # two torchrun launches of one process each, as two nodes of one process: num_nodes=2
+    port = free_port()
+    with LaunchGroup() as group:
+        launches = [
+            group.start(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                 "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                 str(HERE / "lightning" / "ddp_worker.py"), str(tmp_path), "ddp", "2"],
+                tmp_path / f"node{node}.log", launch_env(ACCELERATE_USE_CPU="1"),
+            )
+            for node in (0, 1)
+        ]
+        for node, launch in enumerate(launches):
+            finish(launch, time.monotonic() + 300, f"node {node}")
+    trainer, reference = _reference()
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert (result["world_size"], result["num_nodes"], result["node_rank"]) == (2, 2, rank)
+        assert result["device_ids"] == [0]  # one device on each node
+        # prepare_data_per_node=True: local rank 0 of every node prepares
+        assert result["seen"]["prepare_data"] == (2, rank, 0, rank == 0)
+        assert result["global_step"] == trainer.global_step == 6
+        ours = reference.__class__()
+        ours.load_state_dict(result["state_dict"])
+        assert_same_weights(reference, ours, atol=1e-6)
 
 
 def test_devices_that_do_not_match_the_launch_are_an_error():

@@ -2,7 +2,8 @@
 Trainer over two gloo processes (DDP through accelerate) and save what the test compares,
 including what the trainer reported of the processes in the fit's set-up hooks.
 
-Usage: ddp_worker.py OUT_DIR [STRATEGY]   (STRATEGY: ddp, the default, or fsdp)
+Usage: ddp_worker.py OUT_DIR [STRATEGY [NODES]]   (STRATEGY: ddp, the default, or fsdp; NODES:
+1, the default, or 2 for two torchrun launches of one process each, as two nodes)
 """
 
 import sys
@@ -59,11 +60,11 @@ def _full(value):
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def main(out: Path, strategy: str) -> None:
+def main(out: Path, strategy: str, nodes: int = 1) -> None:
     torch.manual_seed(0)
     module = RecordingClassifier()
-    trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy=strategy, devices=2,
-                      accelerator="cpu", **QUIET)
+    trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy=strategy,
+                      devices=2 // nodes, num_nodes=nodes, accelerator="cpu", **QUIET)
     # per process 4 samples a batch: the two processes together take the reference's batch of 8
     trainer.fit(module, loader(classification_data(), batch_size=4), loader(classification_data(n=16, seed=1), 4))
     validated = trainer.validate(module, loader(classification_data(n=16, seed=1), 4))
@@ -75,12 +76,15 @@ def main(out: Path, strategy: str) -> None:
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "validated": validated,
         "seen": module.seen,
+        "node_rank": trainer.node_rank,
+        "num_nodes": trainer.num_nodes,
+        "device_ids": trainer.device_ids,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp", int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
     from worker_common import finish_worker
