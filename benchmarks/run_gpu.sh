@@ -38,16 +38,20 @@
 # is not set up (one line says what is missing).
 set -uo pipefail
 
-# Seconds per step on CUDA. Each part's limits add up to at most 450 s, so with set-up (at most
-# SETUP_LIMIT_S) a part ends within 8.5 minutes even when every step runs out of time.
+# Seconds per step on CUDA. Each part's limits add up to at most PART_BUDGET_S, so with set-up
+# (at most SETUP_LIMIT_S), the KILL_AFTER_S grace of each, and rewriting the result files a part
+# ends within about 8 minutes even when every step runs out of time.
 declare -A LIMIT_S=(
-    [pytest-gpu]=450
-    [check-mlp]=180 [check-convnet]=270
-    [check-gpt]=240 [check-hf-gpt2]=210
-    [bench-mlp]=150 [bench-convnet]=180 [bench-clip]=80 [bench-loss-accum]=40
-    [bench-gpt]=240 [bench-hf-gpt2]=210
+    [pytest-gpu]=400
+    [check-mlp]=160 [check-convnet]=240
+    [check-gpt]=210 [check-hf-gpt2]=190
+    [bench-mlp]=130 [bench-convnet]=150 [bench-clip]=60 [bench-loss-accum]=25
+    [bench-gpt]=210 [bench-hf-gpt2]=190
 )
-SETUP_LIMIT_S=60
+PART_BUDGET_S=400
+SETUP_LIMIT_S=45
+# a step that ignores the TERM its limit sends is killed this much later
+KILL_AFTER_S=5
 PARTS=(tests check check-gpt bench bench-gpt)
 # the part each step belongs to (filled below), recorded beside the step
 declare -A STEP_PART=()
@@ -142,7 +146,7 @@ if [ -n "$WHEELS" ]; then
     export PYTHONPATH="$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 [ "$DEVICE" = cpu ] && SETUP_LIMIT_S=$(( SETUP_LIMIT_S * CPU_LIMIT_FACTOR ))
-timeout --kill-after=10 "$SETUP_LIMIT_S" "$PY" benchmarks/setup_env.py "${SETUP_ARGS[@]}" 2>"$SCRATCH/logs/setup.log"
+timeout --kill-after="$KILL_AFTER_S" "$SETUP_LIMIT_S" "$PY" benchmarks/setup_env.py "${SETUP_ARGS[@]}" 2>"$SCRATCH/logs/setup.log"
 rc=$?
 if [ $rc -ne 0 ]; then
     cat "$SCRATCH/logs/setup.log" >&2
@@ -181,7 +185,7 @@ step() {
     # the CPU seconds of the step's processes beside the wall time: on a shared host the wall
     # time says more about the neighbours than about the step
     local TIMEFORMAT='%U %S'
-    { time timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1; } 2>"$SCRATCH/cpu-time"
+    { time timeout --kill-after="$KILL_AFTER_S" "$limit" "$@" >"$log" 2>&1; } 2>"$SCRATCH/cpu-time"
     rc=$?
     local cpu
     cpu=$(awk 'END { if (NF == 2) printf "%.0f", $1 + $2 }' "$SCRATCH/cpu-time" 2>/dev/null)

@@ -41,6 +41,31 @@ def _git_status():
     return result.stdout if result.returncode == 0 else None
 
 
+def _limits():
+    """The script's step limits, parts and budgets, read from its source."""
+    text = open(SCRIPT).read()
+    table = text[text.index("declare -A LIMIT_S=("):]
+    table = table[: table.index("\n)")]
+    limits = {name: int(value) for name, value in re.findall(r"\[([a-z0-9-]+)\]=(\d+)", table)}
+    cases = text[text.index("part_steps() {"):]
+    cases = cases[: cases.index("esac")]
+    parts = {part: steps.split() for part, steps in re.findall(r"^\s+([a-z-]+)\) echo ([a-z0-9 -]+) ;;$", cases, re.M)}
+    scalar = {k: int(v) for k, v in re.findall(r"^(PART_BUDGET_S|SETUP_LIMIT_S|KILL_AFTER_S)=(\d+)$", text, re.M)}
+    return limits, parts, scalar
+
+
+def test_every_part_ends_well_inside_nine_minutes_when_every_step_times_out():
+    limits, parts, scalar = _limits()
+    assert set(parts) == {"tests", "check", "check-gpt", "bench", "bench-gpt"}
+    assert sorted(s for steps in parts.values() for s in steps) == sorted(limits)  # every step has a limit
+    for part, steps in parts.items():
+        total = sum(limits[s] for s in steps)
+        assert total <= scalar["PART_BUDGET_S"], part
+        # set-up, every step killed at the end of its grace, and 10 s to rewrite the results per step
+        worst = scalar["SETUP_LIMIT_S"] + total + (len(steps) + 1) * (scalar["KILL_AFTER_S"] + 10)
+        assert worst <= 8.5 * 60, (part, worst)
+
+
 def test_help_lists_the_options_and_parts():
     result = _sh("--help")
     assert result.returncode == 0
@@ -105,7 +130,7 @@ def test_a_part_writes_few_files_to_the_given_folder_only_and_a_timeout_loses_on
     text = (dest / "result.md").read_text()
     assert "| bench | bench-mlp | TIMED OUT (exit 124) | " in text
     assert "| bench | bench-convnet | TIMED OUT (exit 124) | " in text
-    assert re.search(r"\| bench \| bench-clip \| ok \| \d+ \| \d+ \| 240 \|", text)  # the CPU's limits: 3x
+    assert re.search(r"\| bench \| bench-clip \| ok \| \d+ \| \d+ \| 180 \|", text)  # the CPU's limits: 3x
     assert "## Fused gradient clipping" in text and "## Loss gathering" in text
     assert "- command: `bash benchmarks/run_gpu.sh --device cpu --tiny --part bench " in text
     record = json.loads((dest / "run.json").read_text())
