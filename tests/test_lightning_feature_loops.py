@@ -233,7 +233,12 @@ def test_time_based_val_check_interval_matches_lightning():
             trainer_cls(val_check_interval="10:00")
 
 
-def test_barebones_matches_lightning(tmp_path):
+def test_barebones_matches_lightning(tmp_path, caplog):
+    caplog.set_level("INFO")
+    for trainer_cls in (L.Trainer, Trainer):
+        trainer_cls(barebones=True)
+    said = [r.getMessage() for r in caplog.records if "barebones=True)` mode" in r.getMessage()]
+    assert len(said) == 2 and said[0] == said[1]
     for trainer_cls in (L.Trainer, Trainer):
         with pytest.raises(ValueError, match=r"barebones=True, enable_checkpointing=True\)` was passed"):
             trainer_cls(barebones=True, enable_checkpointing=True)

@@ -62,6 +62,18 @@ _BAREBONES_OFF = (
      "Development run is not meant for raw speed evaluation so it is disabled in barebones mode."),
 )
 
+_BAREBONES_DEACTIVATED = (
+    " - Checkpointing: `Trainer(enable_checkpointing=True)`",
+    " - Progress bar: `Trainer(enable_progress_bar=True)`",
+    " - Model summary: `Trainer(enable_model_summary=True)`",
+    " - Logging: `Trainer(logger=True)`, `Trainer(log_every_n_steps>0)`,"
+    " `LightningModule.log(...)`, `LightningModule.log_dict(...)`",
+    " - Sanity checking: `Trainer(num_sanity_val_steps>0)`",
+    " - Development run: `Trainer(fast_dev_run=True)`",
+    " - Anomaly detection: `Trainer(detect_anomaly=True)`",
+    " - Profiling: `Trainer(profiler=...)`",
+)
+
 
 def _batch_limit(name: str, value):
     """Lightning's reading of a ``limit_*_batches``-style value (1.0 for None; its info message
@@ -246,6 +258,11 @@ class TrainerArguments:
             if wanted:
                 raise ValueError(f"`Trainer(barebones=True, {name}={value!r})` was passed. {why}")
             setattr(self, name, off)
+        rank_zero_info(
+            "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have been"
+            " disabled to facilitate analyzing the Trainer overhead. Specifically, the following features are"
+            f" deactivated:{os.linesep}{os.linesep.join(_BAREBONES_DEACTIVATED)}"
+        )
 
     def _debugging_flags(self) -> None:
         """``fast_dev_run``, ``overfit_batches``, the batch limits and ``val_check_interval``, as

@@ -38,19 +38,6 @@ from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import Strategy
 
 
-_BAREBONES_DEACTIVATED = (
-    " - Checkpointing: `Trainer(enable_checkpointing=True)`",
-    " - Progress bar: `Trainer(enable_progress_bar=True)`",
-    " - Model summary: `Trainer(enable_model_summary=True)`",
-    " - Logging: `Trainer(logger=True)`, `Trainer(log_every_n_steps>0)`,"
-    " `LightningModule.log(...)`, `LightningModule.log_dict(...)`",
-    " - Sanity checking: `Trainer(num_sanity_val_steps>0)`",
-    " - Development run: `Trainer(fast_dev_run=True)`",
-    " - Anomaly detection: `Trainer(detect_anomaly=True)`",
-    " - Profiling: `Trainer(profiler=...)`",
-)
-
-
 class Trainer:
     """Lightning's ``Trainer`` arguments (those fasttrain honours; any other is an error naming
     it) plus fasttrain's keyword options ``engine`` (``"auto"``, ``"eager"``, ``"compiled"``,
@@ -93,12 +80,6 @@ class Trainer:
             # Lightning swaps the loggers for one that records nothing
             self.loggers = [DummyLogger()] if self.loggers else []
         self._progress = EpochProgress(args.enable_progress_bar)
-        if self.barebones:
-            rank_zero_info(
-                "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have been"
-                " disabled to facilitate analyzing the Trainer overhead. Specifically, the following features are"
-                f" deactivated:{os.linesep}{os.linesep.join(_BAREBONES_DEACTIVATED)}"
-            )
         #: messages Lightning gives once per trainer (its warning cache)
         self._said: set = set()
         #: the epoch each fit loader was last requested at, and how to request it again
