@@ -16,6 +16,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from fasttrain import auto_resume, checkpointing, validation
 from fasttrain.accelerate_state import check_accelerator
+from fasttrain.callbacks.events import asks_for_model_outputs
 from fasttrain.data import place_single_process, with_device_attribute
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper, UpdateClip
@@ -176,6 +177,9 @@ def step_context(trainer, base: type) -> StepContext:
         train_batches=train_batches,
         mutated_flags=trainer._update_clip.mutated_flags,
         update_read_host=lambda: trainer._nonfinite.last_update_read_host,
+        keeps_model_outputs=lambda phase: any(
+            asks_for_model_outputs(cb, phase) for cb in trainer.callback_handler.callbacks
+        ),
     )
 
 

@@ -55,6 +55,9 @@ class ProfilerCallback(TrainerCallback):
     :attr:`trace_paths` the files written.
     """
 
+    #: reads no ``model_outputs`` at step ends (the graphed engine need not keep them)
+    model_outputs_phases = ()
+
     def __init__(
         self,
         output_dir="profiler",

@@ -276,3 +276,39 @@ def test_the_documented_metrics_update_without_a_sync():
     for engine in ("eager", "cudagraph"):
         trainer = _metric_run(engine, {k: v.clone() for k, v in metrics.items()}, NoSyncInUpdates, phases=("train", "eval"))
         assert len(trainer.run_history.get_metric_values("eval_accuracy_epoch")) == 2
+
+
+# defect 2 -------------------------------------------------------------------------------------
+def _peak_bytes(engine, steps=24):
+    """Peak device memory of a training run whose logits dominate the activations (as GPT-2's do),
+    with every batch full (the partial last batch runs off the graphs: not covered here)."""
+    from engine_cases import TinyGPT
+
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    vocab, seq, batch = 8192, 256, 16
+    model = TinyGPT(vocab=vocab, seq=seq, d=128, heads=4).cuda()
+    tokens = torch.randint(0, vocab, (steps * batch, seq + 1))
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    def loss(logits, target):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    trainer = Trainer(model, loss, torch.optim.AdamW(model.parameters(), lr=1e-3), engine=engine,
+                      compile_options=None if engine == "eager" else {"backend": "inductor"})
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(data, 1, per_device_batch_size=batch, train_dataloader_kwargs={"shuffle": False, "num_workers": 0})
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    assert trainer.active_engine == engine
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def test_peak_memory_of_the_compiled_and_graphed_engines_stays_near_eager():
+    eager = _peak_bytes("eager")
+    for engine in ("compiled", "cudagraph"):
+        peak = _peak_bytes(engine)
+        assert peak <= 1.2 * eager, (engine, peak / 2**20, eager / 2**20)

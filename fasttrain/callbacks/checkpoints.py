@@ -139,6 +139,9 @@ class SaveTrainingStateCallback(TrainerCallback):
     step-exact. A resumed run continues the count from the state it was resumed from.
     """
 
+    #: reads no ``model_outputs`` at step ends (the graphed engine need not keep them)
+    model_outputs_phases = ()
+
     def __init__(
         self,
         save_dir: str = "training_states",
@@ -237,6 +240,9 @@ class SaveTrainingStateCallback(TrainerCallback):
 class WSDCheckpointCallback(TrainerCallback):
     """With a :class:`~fasttrain.schedulers.WSDLrScheduler`, saves a full training state just
     before each decay phase (to branch from) and a model checkpoint at the end of each decay."""
+
+    #: reads no ``model_outputs`` at step ends (the graphed engine need not keep them)
+    model_outputs_phases = ()
 
     def __init__(
         self,

@@ -71,6 +71,9 @@ class ConvertSyncBatchNormCallback(TrainerCallback):
 class StepBasedEvaluationCallback(TrainerCallback):
     """Runs an intermediate evaluation every ``eval_every_n_steps`` training steps."""
 
+    #: reads no ``model_outputs`` at step ends (the graphed engine need not keep them)
+    model_outputs_phases = ()
+
     def __init__(self, eval_every_n_steps: int):
         if eval_every_n_steps <= 0:
             raise ValueError(f"eval_every_n_steps must be a positive integer, got {eval_every_n_steps}")

@@ -96,6 +96,9 @@ class ProgressBarCallback(TrainerCallback):
     run started mid-epoch), the epoch's mean loss and its samples per second over the epoch.
     """
 
+    #: reads no ``model_outputs`` at step ends (the graphed engine need not keep them)
+    model_outputs_phases = ()
+
     def __init__(self, *, file=None):
         """
         :param file: the stream the bars are written to (``sys.stderr`` when None)

@@ -100,6 +100,9 @@ class DeviceMetricsCallback(TrainerCallback):
             raise ValueError(f"DeviceMetricsCallback: phases must be among {PHASES}, got {phases!r}")
         self.phases = phases
         self.inputs = inputs or default_metric_inputs
+        #: the phases whose model outputs the updates read: asked for, the graphed engine keeps
+        #: them (``inputs`` may read them, whatever it is)
+        self.model_outputs_phases = phases
         # one set of metric objects per phase (the first phase gets the ones given), so that an
         # evaluation in the middle of a training epoch does not mix into the training values
         self.phase_metrics: Dict[str, Dict[str, "Metric"]] = {

@@ -124,6 +124,18 @@ def _overrides(callback, event: str) -> bool:
     return method is not base
 
 
+def asks_for_model_outputs(callback, phase: str) -> bool:
+    """Whether ``callback`` reads ``batch_output["model_outputs"]`` of ``phase`` ("train" or
+    "eval") steps. A callback says so with a ``model_outputs_phases`` attribute (the phases whose
+    outputs it reads); one without it asks when it does something at that phase's step end, where
+    ``batch_output`` is passed. The graphed engine keeps the outputs in graph memory only for
+    phases some callback asks for (docs/engines.md)."""
+    phases = getattr(callback, "model_outputs_phases", None)
+    if phases is not None:
+        return phase in phases
+    return _overrides(callback, f"on_{phase}_step_end")
+
+
 def _warn_misspelled_events(callback) -> None:
     known = set(EVENTS)
     for name in dir(type(callback)):

@@ -419,19 +419,43 @@ class CompiledEngine(StepEngine):
 
     def _snapshot_step(self, batch, update: bool) -> dict:
         # Until the first update succeeded, any part of the step may fail after another part
-        # ran: snapshot first, undo on failure, redo the step on the fallback engine.
+        # ran: snapshot first, undo on failure, redo the step on the fallback engine. The
+        # snapshot comes in two parts so that no copy of the parameters is held while the
+        # activations are (peak memory): the forward part copies the buffers, and the gradients
+        # only where a backward may fail after accumulating (graph breaks, a user backward_step);
+        # with one forward graph, a failure of its backward comes from the compile, before it ran.
         trainer = self.trainer
-        snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=self.ctx.mutated_flags())
+        model, optimizer = trainer.model, inner_optimizer(trainer.optimizer)
+        flags = self.ctx.mutated_flags()
+        gradients = not self._functions.is_whole(TRAIN_HOOK) or self.ctx.overrides("backward_step")
+        snapshots = [StepSnapshot.before_forward(model, optimizer, gradients, extra=flags)]
+        forward_output = []
+
+        def before_update(batch_output):
+            forward_output.append(batch_output)
+            snapshots.append(StepSnapshot.before_update(model, optimizer, extra=flags))
+
         try:
-            batch_output = self._compiled_train_step(batch, update)
+            batch_output = self._compiled_train_step(batch, update, before_update)
         except Exception as error:  # noqa: BLE001 - any failure falls back, the eager redo re-raises real bugs
             if _is_control_flow(error):
                 raise
-            snapshot.restore()
-            snapshot.release()
             error = error.error if isinstance(error, _ForwardFailed) else error
+            if forward_output:
+                # the update failed: the forward and backward stand (their gradients are in the
+                # update's snapshot); undo the update and redo only it on the fallback
+                snapshots[1].restore()
+                for snapshot in snapshots:
+                    snapshot.release()
+                self._fall_back_train(self._hook, describe_error(error), EagerEngine)
+                self._train_fallback.update_step()
+                self.last_grad_norm = self._train_fallback.last_grad_norm
+                return forward_output[0]
+            snapshots[0].restore()
+            snapshots[0].release()
             return self._train_elsewhere(batch, update, error)
-        snapshot.release()
+        for snapshot in snapshots:
+            snapshot.release()
         if update:
             self._trusted = True
         return batch_output
@@ -469,7 +493,7 @@ class CompiledEngine(StepEngine):
             stacklevel=5,
         )
 
-    def _compiled_train_step(self, batch, update: bool) -> dict:
+    def _compiled_train_step(self, batch, update: bool, before_update: Optional[Callable] = None) -> dict:
         trainer = self.trainer
         # DDP reads no_sync's flag in its forward, so the forward runs inside the context too
         with self.no_sync_context(update):
@@ -490,6 +514,8 @@ class CompiledEngine(StepEngine):
                     raise
                 raise _ForwardFailed(error) from error
         if update:
+            if before_update is not None:
+                before_update(batch_output)
             self._compiled_update()
         if recompile_limit.hit_count() != self._hits_seen:
             self._limit_hit(training=True)

@@ -51,6 +51,9 @@ class StepContext:
     :param train_batches: the number of batches of a training epoch (None when unknown).
     :param mutated_flags: the device flags the clipping kernels raise in place, restored with
         the rest of the step when a failed step is undone.
+    :param keeps_model_outputs: ``phase -> bool`` ("train", "eval"): whether a callback reads
+        ``batch_output["model_outputs"]`` of that phase's steps. The graphed engine keeps a
+        captured graph's model outputs alive (graph memory, one set per graph) only then.
     :param update_read_host: True when the last optimizer update read a device value on the host
         (``nonfinite="skip"`` before its masked skip is armed): such an update cannot be captured.
     """
@@ -67,6 +70,7 @@ class StepContext:
     train_batches: Callable[[], Optional[int]] = lambda: None
     mutated_flags: Callable[[], tuple] = lambda: ()
     update_read_host: Callable[[], bool] = lambda: False
+    keeps_model_outputs: Callable[[str], bool] = lambda phase: True
 
     def overrides(self, hook: str) -> bool:
         """True when the trainer's class overrides the default hook ``hook``."""

@@ -310,7 +310,10 @@ class CudaGraphEngine(CompiledEngine):
             self._drop_graphs()
             self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
             return self.train_step(batch, update)
-        self._train_graphs[update] = CapturedStep(graph, batch_output, norm, self._train_ring, tables)
+        self._train_graphs[update] = CapturedStep(
+            graph, batch_output, norm, self._train_ring, tables, keep_model_outputs=self.ctx.keeps_model_outputs("train")
+        )
+        del batch_output  # what the step keeps is in the CapturedStep
         self._train_graphs[update].record = CaptureRecord(self.trainer.model, optimizer)
         self._graphed_model = self.trainer.model
         return self._replay(self._train_graphs[update], batch, update)
@@ -511,7 +514,8 @@ class CudaGraphEngine(CompiledEngine):
             self._eval_static = None
             self._fall_back_eval(self._hook, describe_error(error), CompiledEngine)
             return self.eval_step(batch)
-        self._eval_graph = CapturedStep(graph, batch_output, None, ring)
+        self._eval_graph = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
+        del batch_output  # what the step keeps is in the CapturedStep
         self._eval_graphed_model = self.trainer.model
         static.load(batch)
         return self._eval_graph.replay()[0]

@@ -19,14 +19,19 @@ class EagerEngine(StepEngine):
             batch_output = trainer.calculate_train_batch_loss(batch)
             trainer.backward_step(ctx.loss_for_backward(batch_output))
         if update:
-            norm = ctx.clip()
-            if norm is not None:
-                self.last_grad_norm = norm
-            trainer.optimizer_step()
-            if trainer.scheduler is not None and not ctx.step_was_skipped():
-                trainer.scheduler_step()
-            trainer.optimizer_zero_grad()
+            self.update_step()
         return batch_output
+
+    def update_step(self) -> None:
+        """The update part of a micro-step, after its backward: clip, step, schedule, zero."""
+        trainer, ctx = self.trainer, self.ctx
+        norm = ctx.clip()
+        if norm is not None:
+            self.last_grad_norm = norm
+        trainer.optimizer_step()
+        if trainer.scheduler is not None and not ctx.step_was_skipped():
+            trainer.scheduler_step()
+        trainer.optimizer_zero_grad()
 
     def eval_step(self, batch) -> dict:
         with torch.no_grad():

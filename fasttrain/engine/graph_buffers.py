@@ -156,7 +156,8 @@ class StepRing:
 class CapturedStep:
     """One captured graph, the outputs it writes, and how to present them per replay."""
 
-    def __init__(self, graph, batch_output: dict, norm: Optional[torch.Tensor], ring: StepRing, tables=()):
+    def __init__(self, graph, batch_output: dict, norm: Optional[torch.Tensor], ring: StepRing, tables=(),
+                 keep_model_outputs: bool = True):
         self.graph = graph
         self.ring = ring
         #: device tables the graph's kernels read by address (the clip kernels' chunk tables):
@@ -166,9 +167,13 @@ class CapturedStep:
         #: CaptureRecord`), checked before each replay; set by the engine
         self.record = None
         # outputs are read by callbacks before the next replay; detach so they do not pin the
-        # autograd graph recorded at capture time
+        # autograd graph recorded at capture time. The model outputs (logits: often the largest
+        # tensor of the step, upcast to fp32 under bf16) are kept only where a callback asks for
+        # them: unreferenced, their graph memory goes back to the pool the other graphs share.
         self.batch_output = {
-            k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in batch_output.items()
+            k: v.detach() if isinstance(v, torch.Tensor) else v
+            for k, v in batch_output.items()
+            if keep_model_outputs or k != "model_outputs"
         }
         self.has_norm = norm is not None
         self._ring_keys = [
