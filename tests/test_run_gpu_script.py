@@ -138,6 +138,18 @@ def test_a_part_writes_few_files_to_the_given_folder_only_and_a_timeout_loses_on
     assert "== bench-clip (ok" in (dest / "run.log").read_text()
 
 
+def _kill_session(proc):
+    """SIGKILL every process of the session ``proc`` leads: ``timeout`` puts each step in a
+    process group of its own, so killing the script's group would leave the step running."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _sid(int(entry)) == proc.pid:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
 def test_each_step_writes_its_result_before_the_next_starts(tmp_path):
     """A part killed during its second step (the GPU machine's 10-minute limit) keeps the first."""
     dest = tmp_path / "out"
@@ -155,11 +167,21 @@ def test_each_step_writes_its_result_before_the_next_starts(tmp_path):
             time.sleep(0.2)
         assert proc.poll() is None, "the part ended before its second step"
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_session(proc)
     text = result.read_text()
     assert "| bench | bench-mlp | TIMED OUT (exit 124) |" in text and "bench-convnet" not in text
     assert sorted(os.listdir(dest)) == ["result.md", "run.json", "run.log"]
+    deadline = time.monotonic() + 10  # killed processes take a moment to be reaped
+    while [e for e in os.listdir("/proc") if e.isdigit() and _sid(int(e)) == proc.pid] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [e for e in os.listdir("/proc") if e.isdigit() and _sid(int(e)) == proc.pid]  # nothing left running
+
+
+def _sid(pid):
+    try:
+        return os.getsid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 # ---------------------------------------------------------------------------- write_result.py
