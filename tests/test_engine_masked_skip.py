@@ -160,13 +160,9 @@ def _poisoned_vectors():
     return TensorDataset(x, y)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_the_graphed_engine_captures_the_masked_skip(device_like, optimizer):
-    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=1)
-    case.data = _poisoned_vectors
-    if optimizer == "sgd":  # no momentum: no optimizer state ever, ready from the first update
-        case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
-        case.train_kwargs["create_scheduler_fn"] = None
+def _eager_and_graphed(case):
+    """The case run eagerly and graphed; the graphed run captured both training graphs, without
+    a fallback."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eager = run(case, "eager", AOT, eval_dataset=None)
@@ -174,6 +170,18 @@ def test_the_graphed_engine_captures_the_masked_skip(device_like, optimizer):
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    return eager, graphed
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_graphed_engine_captures_the_masked_skip(device_like, optimizer):
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=1)
+    case.data = _poisoned_vectors
+    if optimizer == "sgd":  # no momentum: no optimizer state ever, ready from the first update
+        case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+        case.train_kwargs["create_scheduler_fn"] = None
+    eager, graphed = _eager_and_graphed(case)
+    engine = graphed.trainer._engine
     assert sum(g.graph.replays for g in engine._train_graphs.values()) > 0
     assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 1
     # the poisoned batch's loss is NaN in both runs; everything else, and the weights, agree
@@ -193,13 +201,8 @@ def test_capture_waits_until_the_masked_skip_is_armed(device_like):
     x = x.clone()
     x[0, 1] = x[17, 3] = float("inf")  # batches 0 and 2: the first two updates (accumulation 2)
     case.data = lambda: TensorDataset(x, y)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager", AOT, eval_dataset=None)
-        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
-    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    eager, graphed = _eager_and_graphed(case)
     engine = graphed.trainer._engine
-    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
     assert engine._train_graphs[True].graph.replays > 0
     assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 4  # two per epoch
     for key in eager.state:
