@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fasttrain.engine.logging_calls import ignoring_logger_calls, logger_methods
+from fasttrain.engine.logging_calls import ignored_logging_functions, ignoring_logger_calls, logger_methods
 from fasttrain.trainer import Trainer
 
 logger = logging.getLogger("fasttrain.tests.logging_model")
@@ -49,7 +49,7 @@ def test_logger_calls_in_the_forward_compile_whole_and_match_eager():
     compiled_model.load_state_dict(eager_model.state_dict())
     _train(eager_model, engine="eager")
     torch._dynamo.utils.counters.clear()
-    before = set(torch._dynamo.config.ignore_logging_functions)
+    before = set(ignored_logging_functions())
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
         trainer = _train(compiled_model, engine="compiled", compile_options={"backend": "aot_eager"})
@@ -58,11 +58,11 @@ def test_logger_calls_in_the_forward_compile_whole_and_match_eager():
     for compiled, eager in zip(compiled_model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
     # the setting is fasttrain's only while its compiled functions run
-    assert set(torch._dynamo.config.ignore_logging_functions) == before
+    assert set(ignored_logging_functions()) == before
 
 
 def test_the_users_own_setting_is_kept():
-    ignored = torch._dynamo.config.ignore_logging_functions
+    ignored = ignored_logging_functions()
     ignored.add(logging.Logger.info)
     try:
         with ignoring_logger_calls():

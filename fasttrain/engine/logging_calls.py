@@ -19,7 +19,10 @@ import logging
 
 import torch
 
-__all__ = ["LOGGER_METHOD_NAMES", "ignoring_logger_calls", "logger_methods", "with_logger_calls_ignored"]
+__all__ = [
+    "LOGGER_METHOD_NAMES", "ignored_logging_functions", "ignoring_logger_calls", "logger_methods",
+    "with_logger_calls_ignored",
+]
 
 #: the methods of ``logging.Logger`` whose calls are left out; the ``*_once`` and ``warning_advice``
 #: methods are the ones transformers adds to the class when it is imported
@@ -34,9 +37,16 @@ def logger_methods() -> set:
     return {method for method in (getattr(logging.Logger, name, None) for name in LOGGER_METHOD_NAMES) if method}
 
 
-def _ignore_set():
-    # None where this torch has no such setting: logger calls then break the graph as before
-    return getattr(torch._dynamo.config, "ignore_logging_functions", None)
+def ignored_logging_functions():
+    """Dynamo's set of logging functions it traces as no-ops (the object itself, not a copy)."""
+    # the older name where this torch has only that one; None where it has neither: logger calls
+    # then break the graph as before
+    config = torch._dynamo.config
+    for name in ("ignore_logging_functions", "ignore_logger_methods"):
+        ignored = getattr(config, name, None)
+        if ignored is not None:
+            return ignored
+    return None
 
 
 class ignoring_logger_calls:
@@ -46,7 +56,7 @@ class ignoring_logger_calls:
     __slots__ = ("added",)
 
     def __enter__(self):
-        ignored = _ignore_set()
+        ignored = ignored_logging_functions()
         self.added = ()
         if ignored is not None:
             self.added = tuple(method for method in logger_methods() if method not in ignored)
@@ -54,7 +64,7 @@ class ignoring_logger_calls:
         return self
 
     def __exit__(self, *exc_info):
-        ignored = _ignore_set()
+        ignored = ignored_logging_functions()
         if ignored is not None:
             ignored.difference_update(self.added)
         return False
