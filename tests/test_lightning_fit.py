@@ -161,7 +161,7 @@ def test_training_step_without_loss_is_a_clear_error():
 def test_val_check_interval_longer_than_an_epoch_is_an_error_naming_it():
     trainer = Trainer(max_epochs=1, val_check_interval=50, enable_progress_bar=False, enable_model_summary=False,
                       logger=False, enable_checkpointing=False)
-    with pytest.raises(ValueError, match="val_check_interval=50"):
+    with pytest.raises(ValueError, match=r"`val_check_interval` \(50\) must be less than or equal to the number of"):
         trainer.fit(Classifier(), train_loader(), val_loader())
 
 

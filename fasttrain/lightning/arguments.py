@@ -109,6 +109,21 @@ def num_batches(stage, loader, limit, processes: int = 1):
         raise LightningConfigError(str(error)) from None
 
 
+def check_interval_fits_epoch(interval, lt) -> None:
+    """A batch count ``val_check_interval`` longer than an epoch (with validation counted per
+    epoch): Lightning's error, once the training data is loaded."""
+    if (
+        lt._val_check_time_interval is None and isinstance(interval, int) and interval > lt.num_training_batches
+        and lt.check_val_every_n_epoch is not None and lt.limit_val_batches > 0
+    ):
+        raise ValueError(  # Lightning's own type and words
+            f" `val_check_interval` ({interval}) must be less than or equal"
+            f" to the number of the training batches ({lt.num_training_batches})."
+            " If you want to disable validation set `limit_val_batches` to 0.0 instead."
+            " If you want to validate based on the total training batches, set `check_val_every_n_epoch=None`."
+        )
+
+
 @dataclass
 class TrainerArguments:
     """The validated arguments. fasttrain's own options are the last block."""

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from fasttrain.auto_resume import decided_by_first_process
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
-from fasttrain.lightning.arguments import LightningConfigError, num_batches
+from fasttrain.lightning.arguments import LightningConfigError, check_interval_fits_epoch, num_batches
 from fasttrain.lightning.ckpt_path import select as select_ckpt_path
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
@@ -223,6 +223,11 @@ def _loader(lt, given, hook: str):
     return None
 
 
+def _has_source(lt, given, hook: str) -> bool:  # whether _loader would find loaders (requesting none)
+    dm = lt.datamodule
+    return given is not None or (dm is not None and _is_overridden_dm(dm, hook)) or module_overrides(lt.lightning_module, hook)
+
+
 def _is_overridden_dm(dm, hook: str) -> bool:
     return getattr(type(dm), hook, None) is not getattr(LightningDataModule, hook, None)
 
@@ -370,7 +375,8 @@ def _load_data(lt, val_dataloaders) -> None:
         lt._load_train_data()
     if not sanity:
         lt._val_loaders = []
-        lt._load_val_later = functools.partial(_load_val_data, lt, val_dataloaders)
+        if _has_source(lt, val_dataloaders, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
+            lt._load_val_later = functools.partial(_load_val_data, lt, val_dataloaders)
 
 
 def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only=None) -> None:
@@ -433,7 +439,10 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     lt._restarting = False
     lt._scaler_state = None
     clip_value = clip_norm = None
-    if lt.gradient_clip_val and not lt._custom_clipping and module.automatic_optimization:
+    # the clipping Trainer(gradient_clip_val=...) asks for is done by LightningModule's own
+    # configure_gradient_clipping: with the hook set to None Lightning calls nothing, so nothing clips
+    default_clipping = callable(getattr(module, "configure_gradient_clipping", None))
+    if lt.gradient_clip_val and default_clipping and not lt._custom_clipping and module.automatic_optimization:
         if lt.gradient_clip_algorithm is not None and lt.gradient_clip_algorithm.value == "value":
             clip_value = lt.gradient_clip_val
         else:
@@ -447,15 +456,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
         if checkpoint is not None:
             ckpt_io.restore_training_state(lt, ckpt_path, checkpoint)
         _load_data(lt, val_dataloaders)
-        interval = lt.val_check_interval
-        if (
-            lt._val_check_time_interval is None and isinstance(interval, int) and interval > lt.num_training_batches
-            and lt.check_val_every_n_epoch is not None and lt.limit_val_batches > 0
-        ):
-            raise ValueError(
-                f"val_check_interval={interval} batches is more than the {lt.num_training_batches} training batches "
-                "of an epoch; lower it, or set check_val_every_n_epoch=None to count batches across epochs"
-            )
+        check_interval_fits_epoch(lt.val_check_interval, lt)
         runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
         if lt._args.enable_model_summary and lt.is_global_zero:
             print(summarize(module))

@@ -99,11 +99,12 @@ def run_fit(lt, runner) -> None:
     # Lightning creates the first epoch's data iterator here, after the sanity check and before
     # on_train_start (a DataLoader draws its base seed when the iterator is created)
     iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
-    load_val, lt._load_val_later = lt._load_val_later, None
-    if load_val is not None:
-        # without a sanity check Lightning requests the validation loaders only now (sharded
-        # over the processes there, as the run is prepared)
-        load_val()
+    every = lt.check_val_every_n_epoch
+    if lt._load_val_later is not None and (every is None or (lt.current_epoch + 1) % every == 0):
+        # without a sanity check Lightning requests the validation loaders now when the first
+        # epoch validates (sharded over the processes there, as the run is prepared), else at
+        # the first validation (see _load_deferred_val)
+        _load_deferred_val(lt)
     lt.training = True
     # no .train() here: as in Lightning, each submodule keeps the mode the user left it in (a
     # frozen backbone or BatchNorm in eval mode stays so); evaluation restores the modes it found
@@ -129,6 +130,15 @@ def run_fit(lt, runner) -> None:
         epoch = lt.current_epoch
         if _reload_due(lt, lt._train_reloaded_epoch):
             lt._reload_train_data()
+            lt._last_val_time = time.monotonic()  # Lightning counts a time-based interval anew here
+            if lt.num_training_batches > 0:
+                # Lightning creates an iterator of the reloaded loader here (prefetching one batch
+                # when its length is unknown) and another after on_train_epoch_start; the first
+                # is dropped, but what it drew from the random generators shapes the next shuffles
+                dropped = iter(lt._train_loader)
+                if lt.num_training_batches == float("inf"):
+                    next(dropped, None)
+                del dropped
         loader = lt._train_loader
         _set_sampler_epoch(loader, epoch)
         num_batches = lt.num_training_batches
@@ -199,7 +209,9 @@ def run_fit(lt, runner) -> None:
                 lt._log_step_metrics()
                 progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
             if _should_validate(lt, batch_idx, last):
-                if _reload_due(lt, lt._val_reloaded_epoch):
+                if lt._load_val_later is not None:
+                    _load_deferred_val(lt)
+                elif _reload_due(lt, lt._val_reloaded_epoch):
                     lt._reload_val_data()
                 if update:
                     hooks.module_hook("on_validation_model_zero_grad")
@@ -298,6 +310,11 @@ def _reload_due(lt, last_epoch) -> bool:
     to be requested again."""
     every = lt.reload_dataloaders_every_n_epochs
     return bool(every) and lt.current_epoch - last_epoch >= every
+
+
+def _load_deferred_val(lt) -> None:
+    load, lt._load_val_later = lt._load_val_later, None
+    load()
 
 
 def _should_validate(lt, batch_idx: int, last: bool) -> bool:

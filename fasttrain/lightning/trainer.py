@@ -319,7 +319,9 @@ class Trainer:
 
     @property
     def enable_validation(self) -> bool:
-        return bool(self._val_loaders) and self._has_val_step and self.limit_val_batches != 0
+        # loaders not requested yet (a fit without a sanity check requests them when it first validates)
+        loaded = bool(self._val_loaders) or self._load_val_later is not None
+        return loaded and self._has_val_step and self.limit_val_batches != 0
 
     @property
     def num_val_batches(self) -> list:
@@ -496,6 +498,8 @@ class Trainer:
         if not self.enable_validation or self.num_sanity_val_steps == 0:
             return 0
         loaders = [loader] if loader is not None else self._val_loaders
+        if not loaders:  # not requested yet: no sanity check runs (see fit's _load_data)
+            return 0
         counts = [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in loaders]
         return min(self.num_sanity_val_steps, max(counts))  # inf (all batches) when -1 was given
 
