@@ -42,8 +42,9 @@ EOF
 echo "ci torch $TORCH_VERSION: installed in $((SECONDS - start)) s"
 
 # the areas that lean on torch's internals (dynamo, inductor, AOTAutograd, DTensor and FSDP2,
-# c10d, the Triton kernels) and Lightning on top of the engines; chosen by name, so that new test
-# files of these areas run here too. Tests marked slow (soaks, many trainers) run on 2.13 only.
+# c10d, the Triton kernels), compiled regions (equal to eager on a model with a final norm), and
+# Lightning on top of the engines; chosen by name, so that new test files of these areas run here
+# too. Tests marked slow (soaks, many trainers) run on 2.13 only.
 shopt -s nullglob
 TESTS=(
     tests/test_engine*.py
@@ -51,6 +52,7 @@ TESTS=(
     tests/test_fsdp*.py
     tests/test_distributed.py
     tests/test_lightning*.py
+    tests/test_regional.py
 )
 if [ "${#TESTS[@]}" -eq 0 ]; then
     echo "torch $TORCH_VERSION job: no test files match" >&2
