@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from fasttrain.auto_resume import decided_by_first_process
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
-from fasttrain.lightning.arguments import LightningConfigError, check_interval_fits_epoch, num_batches
+from fasttrain.lightning.arguments import LightningConfigError, num_batches
 from fasttrain.lightning.ckpt_path import select as select_ckpt_path
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
@@ -456,7 +456,6 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
         if checkpoint is not None:
             ckpt_io.restore_training_state(lt, ckpt_path, checkpoint)
         _load_data(lt, val_dataloaders)
-        check_interval_fits_epoch(lt.val_check_interval, lt)
         runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
         if lt._args.enable_model_summary and lt.is_global_zero:
             print(summarize(module))

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning.pytorch.trainer.states import RunningStage
 
-from fasttrain.lightning.arguments import num_batches
+from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
 
 
 class _Progress:
@@ -96,6 +96,7 @@ def run_fit(lt, runner) -> None:
             run_evaluation(lt, runner, "validate", sanity=True)
         hooks.callbacks_only("on_sanity_check_end")
         lt.sanity_checking = False
+    check_interval_fits_epoch(lt.val_check_interval, lt)  # after the sanity check, as in Lightning
     # Lightning creates the first epoch's data iterator here, after the sanity check and before
     # on_train_start (a DataLoader draws its base seed when the iterator is created)
     iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
