@@ -27,17 +27,12 @@ from fasttrain.checkpoint_files import CheckpointError  # noqa: E402
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
     QUIET,
-    VAL,
     Classifier,
     assert_same_weights,
     fit_both,
-    loader,
     train_loader,
+    val_loader,
 )
-
-
-def val_loader():
-    return loader(VAL, batch_size=5)
 
 
 # ---------------------------------------------------------------------------------- configure_callbacks

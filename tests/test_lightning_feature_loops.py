@@ -22,17 +22,13 @@ from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
     DATA,
     QUIET,
-    VAL,
     Classifier,
     assert_same_weights,
     fit_both,
     loader,
     train_loader,
+    val_loader,
 )
-
-
-def val_loader():
-    return loader(VAL, batch_size=5)
 
 
 class _Count(L.Callback):

@@ -19,14 +19,10 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
-from lightning_modules import QUIET, VAL, Classifier, assert_same_weights, loader, train_loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, assert_same_weights, train_loader, val_loader  # noqa: E402
 
 BOTH = (L.Trainer, Trainer)
 KWARGS = {k: v for k, v in QUIET.items() if k != "enable_checkpointing"}
-
-
-def val_loader():
-    return loader(VAL, batch_size=5)
 
 
 def _fitted(trainer_cls, folder, epochs=4, **callback_kwargs):

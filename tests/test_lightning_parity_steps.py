@@ -24,11 +24,8 @@ from lightning_modules import (  # noqa: E402
     fit_both,
     loader,
     train_loader,
+    val_loader,
 )
-
-
-def val_loader():
-    return loader(VAL, batch_size=5)
 
 
 class BatchOnly(Classifier):

@@ -19,13 +19,9 @@ from lightning.pytorch.callbacks import EarlyStopping  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
-from lightning_modules import QUIET, VAL, Classifier, loader, train_loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, loader, train_loader, val_loader  # noqa: E402
 
 BOTH = (L.Trainer, Trainer)
-
-
-def val_loader():
-    return loader(VAL, batch_size=5)
 
 
 def _warned(run, fragment: str) -> list:

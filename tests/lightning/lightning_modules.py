@@ -37,6 +37,11 @@ def train_loader():
     return loader(DATA, batch_size=8, shuffle=True)
 
 
+def val_loader():
+    """:data:`VAL` in batches of 5 (the last one smaller), in order."""
+    return loader(VAL, batch_size=5)
+
+
 class Classifier(L.LightningModule):
     """Adam, per-step and per-epoch logging, validation and test."""
 
