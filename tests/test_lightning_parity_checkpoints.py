@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
-from lightning_modules import QUIET, Classifier, assert_same_weights, train_loader, val_loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, assert_same_results, assert_same_weights, train_loader, val_loader  # noqa: E402
 
 BOTH = (L.Trainer, Trainer)
 KWARGS = {k: v for k, v in QUIET.items() if k != "enable_checkpointing"}
@@ -57,7 +57,7 @@ def test_a_run_without_a_model_after_fit_loads_the_best_checkpoint_like_lightnin
     if isinstance(ours, torch.Tensor):
         assert torch.equal(ours, theirs)
     else:
-        assert ours == pytest.approx(theirs, abs=1e-6)
+        assert_same_results(theirs, ours)
 
 
 def test_ckpt_path_last_without_a_last_checkpoint_warns_and_starts_fresh(tmp_path):

@@ -226,3 +226,10 @@ def assert_same_metrics(reference: dict, ours: dict, atol=1e-5):
         torch.testing.assert_close(
             torch.as_tensor(ours[key]).double(), torch.as_tensor(value).double(), atol=atol, rtol=0, msg=key
         )
+
+
+def assert_same_results(reference: list, ours: list, atol=1e-6):
+    """``validate()``/``test()`` results: one dict of metrics per loader, the same keys and values."""
+    assert len(ours) == len(reference)
+    for their_loader, our_loader in zip(reference, ours):
+        assert_same_metrics(their_loader, our_loader, atol=atol)
