@@ -38,6 +38,22 @@ from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import Strategy
 
 
+def _stage_flag(stage: RunningStage) -> property:
+    """A Trainer flag such as ``trainer.training``: true while ``trainer.state.stage`` is ``stage``;
+    setting it True enters the stage, setting it False leaves it (only if it is the current one)."""
+
+    def get(self) -> bool:
+        return self.state.stage is stage
+
+    def set(self, value: bool) -> None:
+        if value:
+            self.state.stage = stage
+        elif self.state.stage is stage:
+            self.state.stage = None
+
+    return property(get, set)
+
+
 class Trainer:
     """Lightning's ``Trainer`` arguments (those fasttrain honours; any other is an error naming
     it) plus fasttrain's keyword options ``engine`` (``"auto"``, ``"eager"``, ``"compiled"``,
@@ -174,55 +190,15 @@ class Trainer:
 
     # the running stage, as Lightning keeps it: trainer.state.stage, which these flags set and
     # read (identity tests: read by self.log on every call)
-    @property
-    def training(self) -> bool:
-        return self.state.stage is RunningStage.TRAINING
-
-    @training.setter
-    def training(self, value: bool) -> None:
-        self._set_stage(RunningStage.TRAINING, value)
-
-    @property
-    def sanity_checking(self) -> bool:
-        return self.state.stage is RunningStage.SANITY_CHECKING
-
-    @sanity_checking.setter
-    def sanity_checking(self, value: bool) -> None:
-        self._set_stage(RunningStage.SANITY_CHECKING, value)
-
-    @property
-    def validating(self) -> bool:
-        return self.state.stage is RunningStage.VALIDATING
-
-    @validating.setter
-    def validating(self, value: bool) -> None:
-        self._set_stage(RunningStage.VALIDATING, value)
-
-    @property
-    def testing(self) -> bool:
-        return self.state.stage is RunningStage.TESTING
-
-    @testing.setter
-    def testing(self, value: bool) -> None:
-        self._set_stage(RunningStage.TESTING, value)
-
-    @property
-    def predicting(self) -> bool:
-        return self.state.stage is RunningStage.PREDICTING
-
-    @predicting.setter
-    def predicting(self, value: bool) -> None:
-        self._set_stage(RunningStage.PREDICTING, value)
+    training = _stage_flag(RunningStage.TRAINING)
+    sanity_checking = _stage_flag(RunningStage.SANITY_CHECKING)
+    validating = _stage_flag(RunningStage.VALIDATING)
+    testing = _stage_flag(RunningStage.TESTING)
+    predicting = _stage_flag(RunningStage.PREDICTING)
 
     @property
     def evaluating(self) -> bool:
         return self.state.stage is not None and self.state.stage.evaluating
-
-    def _set_stage(self, stage: RunningStage, value: bool) -> None:
-        if value:
-            self.state.stage = stage
-        elif self.state.stage is stage:
-            self.state.stage = None
 
     @property
     def is_global_zero(self) -> bool:
