@@ -71,6 +71,9 @@ def _host_reads_raise():
 
 class HostGraphEngine(CudaGraphEngine):
     graphs = []
+    #: calls of the allocator's empty_cache the engine made, and memory pools it started
+    memory_returns = 0
+    new_pools = 0
 
     def _device_reason(self):
         return None
@@ -82,7 +85,14 @@ class HostGraphEngine(CudaGraphEngine):
     def _on_side_stream(self):
         yield
 
-    def _capture(self, body):
+    def _return_cached_memory(self):
+        HostGraphEngine.memory_returns += 1
+
+    def _new_pool(self):
+        HostGraphEngine.new_pools += 1
+        self._pool = HostGraphEngine.new_pools
+
+    def _record(self, body):
         trainer = self.trainer
         rings = [r for r in (self._train_ring, self._eval_ring) if r is not None]
         extra = [t for r in rings for t in (r.losses.buffer, r.aux)] + list(self.ctx.mutated_flags())
@@ -102,6 +112,7 @@ def host_graphs(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     HostGraphEngine.graphs = []
+    HostGraphEngine.memory_returns = HostGraphEngine.new_pools = 0
     monkeypatch.setitem(ENGINES, "cudagraph", HostGraphEngine)
     yield
     torch._dynamo.reset()
@@ -117,12 +128,42 @@ def test_graphed_steps_match_eager_and_replay_from_the_ring():
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
     assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
-    # 70 samples / 8 = 9 batches (the last of 6) x 3 epochs = 27 micro-steps: 4 warm-up steps
-    # (steps 0-3, two of them updates; step 4 is captured and replayed, step 5 the update) and
-    # the partial 9th batch of each epoch through the compiled path; the rest are replays
-    train_replays = sum(step.graph.replays for step in engine._train_graphs.values())
-    assert train_replays == 27 - 4 - 3
-    assert engine._eval_graph.graph.replays == 3 * 9 - 2 - 3  # 2 warm-up, 3 partial batches
+    # 70 samples / 8 = 9 batches (the last of 6) x 3 epochs. Epoch 1: 4 warm-up steps (two of
+    # them updates), steps 4-7 replayed, then the partial batch's first run, before which every
+    # graph is dropped. Epochs 2 and 3: the 8 full batches replay graphs captured again at once
+    # (the last epoch's graphs count these 16), the partial batch a graph of its own, captured in
+    # epoch 2 and replayed in both. Evaluation alike: 2 warm-up batches, 6 replays, the partial
+    # batch's first run, then 8 + 1 replays in each later epoch.
+    assert sum(step.graph.replays for step in engine._train_graphs.values()) == 16
+    assert set(engine._last_graphs) == {True}  # the epoch's last batch updates
+    assert engine._last_graphs[True].graph.replays == 2
+    assert engine._eval_graph.graph.replays == 16 and engine._eval_last_graph.graph.replays == 2
+    # train graphs: 2 + 2 + 1, eval graphs: 1 + 1 + 1; memory handed back before each first run
+    assert len(HostGraphEngine.graphs) == 8 and HostGraphEngine.memory_returns == 2
+    # a pool for the first capture and for the first after each release: the allocator refuses
+    # to share a pool whose graphs were all freed
+    assert HostGraphEngine.new_pools == 3
+    assert_runs_match(eager, graphed)
+
+
+def test_the_partial_batch_runs_first_with_no_graph_held_then_replays_its_own(monkeypatch):
+    held_at_partial_runs = []
+    warmup_step = HostGraphEngine._warmup_step
+
+    def recording_warmup(self, batch, update, signature):
+        if len(batch[0]) == 6:  # the partial batch
+            held_at_partial_runs.append(self._graphs_held())
+        return warmup_step(self, batch, update, signature)
+
+    monkeypatch.setattr(HostGraphEngine, "_warmup_step", recording_warmup)
+    case = mlp_case(epochs=4)
+    eager = run(case, "eager")
+    graphed = run(case, "cudagraph", AOT)
+    engine = graphed.trainer._engine
+    assert held_at_partial_runs == [False]  # one compiled run, with every graph dropped first
+    assert engine._last_static.tree[0].shape[0] == 6 and engine._static.tree[0].shape[0] == 8
+    assert engine._last_graphs[True].graph.replays == 3  # epochs 2-4
+    assert engine.active_engine == "cudagraph"
     assert_runs_match(eager, graphed)
 
 

@@ -130,7 +130,7 @@ class ResetAdamStateAt(TrainerCallback):
         self.seen += 1
 
 
-def _run(engine, callback, epochs=2):
+def _run(engine, callback, epochs=3):
     torch.manual_seed(0)
     case = mlp_case(epochs=epochs)
     model = case.model()

@@ -206,8 +206,8 @@ def _title(bench: BenchResult) -> str:
 
 
 _MEMORY_MEANING = {
-    "cuda_max_allocated": "peak MB: CUDA max_memory_allocated over setup and warm-up, above what "
-    "earlier peers keep resident",
+    "cuda_max_reserved": "peak MB: CUDA max_memory_reserved over setup and warm-up (CUDA graph "
+    "pools included), above what earlier peers keep resident",
     "cpu_peak_rss_delta": "peak MB: growth of the process's peak RSS over setup and warm-up (a lower "
     "bound: memory freed by earlier peers is reused without growth)",
 }

@@ -199,8 +199,11 @@ def _first_line(exc: BaseException) -> str:
 class _Memory:
     """Peak memory attributable to one peer's setup and warm-up.
 
-    CUDA: the allocator's peak minus what was allocated before (other peers' weights stay
-    resident). CPU: growth of the process's peak RSS; it reads 0 when the peer fits in memory an
+    CUDA: the allocator's peak of reserved memory minus what was reserved before (other peers'
+    weights stay resident; the cache is emptied first, so that one peer's cached blocks do not
+    serve the next). Reserved, not allocated: a CUDA graph's intermediates count as allocated
+    only while it is captured, and between replays they are free blocks of its private pool, so
+    the allocated peak would miss what runs beside the pool. CPU: growth of the process's peak RSS; it reads 0 when the peer fits in memory an
     earlier peer already touched, so it is a lower bound.
     """
 
@@ -212,9 +215,10 @@ class _Memory:
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # SYNC(bench): measure from an idle device
-            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.empty_cache()
+            self._base = torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.kind = "cuda_max_allocated"
+            self.kind = "cuda_max_reserved"
         elif resource is not None:
             self._base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             self.kind = "cpu_peak_rss_delta"
@@ -224,8 +228,8 @@ class _Memory:
         pass
 
     def peak_mb(self) -> Optional[float]:
-        if self.kind == "cuda_max_allocated":
-            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        if self.kind == "cuda_max_reserved":
+            return (torch.cuda.max_memory_reserved(self.device) - self._base) / 2**20
         if self.kind == "cpu_peak_rss_delta":
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             # Linux reports KiB, macOS bytes.

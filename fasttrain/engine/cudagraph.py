@@ -19,12 +19,18 @@ raises before it happens, and the engine falls back to the compiled engine with 
 naming the hook. The first steps (warm-up) run the compiled engine's path on a side stream;
 that also compiles the functions the graphs then capture, so capture triggers no compilation.
 
+The epoch's last, smaller batch gets graphs of its own, captured into the same memory pool, so
+that it adds no activations beside the pool's. Its first run compiles its shape; before that run
+every graph is dropped and its memory handed back (one ``empty_cache``, a device sync, once per
+run), and the graphs are captured again, with no further warm-up, when their shapes come next.
+From the second epoch on every batch replays a graph.
+
 Requirements: a CUDA device, one process (DDP capture needs DDP built on a side stream, which
 accelerate does not do; FSDP2 steps are never captured, see ``FSDP2_REASON``), SGD/Adam/AdamW
-(captured with ``capturable=True``), no fp16 loss scaling, batches of one shape (the last,
-smaller batch of an epoch runs through the compiled path; any other change of shape falls back
-to the compiled engine), and hooks whose Python control flow does not change between steps (a
-graph replays the kernels recorded at capture).
+(captured with ``capturable=True``), no fp16 loss scaling, batches of one shape and the epoch's
+last, smaller one (any other change of shape falls back to the compiled engine), and hooks whose
+Python control flow does not change between steps (a graph replays the kernels recorded at
+capture).
 """
 
 from __future__ import annotations
@@ -58,9 +64,11 @@ MIN_WARMUP_STEPS = 3
 #: captures again after a hook changed what a graph was captured with, before the engine stops
 #: capturing (a change made at every step would otherwise re-capture forever)
 MAX_RECAPTURES = 3
-#: batch shapes other than the captured one that may run through the compiled path (the last
-#: partial batch of the training and of the evaluation epoch) before shapes count as dynamic
+#: batch shapes other than the captured one (the last, partial batch of the training and of the
+#: evaluation epoch, captured as graphs of their own) before shapes count as dynamic
 MAX_OFF_GRAPH_SHAPES = 1
+#: runs of the partial batch's shape before it is captured: its first run compiles it
+WARM_RUNS_OF_THE_LAST_SHAPE = 1
 
 
 #: why no sharded (FSDP2) step is captured; the compiled engine runs it instead
@@ -104,10 +112,15 @@ class CudaGraphEngine(CompiledEngine):
 
     def __init__(self, ctx: StepContext, settings: Optional[CompileSettings] = None):
         super().__init__(ctx, settings)
+        #: graphs of the batch shape, by update; those of the epoch's last, partial batch
         self._train_graphs: Dict[bool, CapturedStep] = {}
+        self._last_graphs: Dict[bool, CapturedStep] = {}
         self._eval_graph: Optional[CapturedStep] = None
+        self._eval_last_graph: Optional[CapturedStep] = None
         self._static: Optional[StaticBatch] = None
+        self._last_static: Optional[StaticBatch] = None
         self._eval_static: Optional[StaticBatch] = None
+        self._eval_last_static: Optional[StaticBatch] = None
         self._train_ring: Optional[StepRing] = None
         self._eval_ring: Optional[StepRing] = None
         self._warm = Counter()
@@ -270,8 +283,9 @@ class CudaGraphEngine(CompiledEngine):
             )
 
     def _off_graph_step(self, batch, update: bool, signature) -> dict:
-        # A batch of another shape: the epoch's last, partial batch runs through the compiled
-        # path (one extra compile, exact loss); shapes that keep changing mean dynamic shapes.
+        # A batch of another shape than the captured one. The epoch's last, partial batch gets
+        # graphs of its own in the shared pool (exact loss, no second set of activations); shapes
+        # that keep changing mean dynamic shapes.
         self._off_graph_shapes.add(signature)
         if not self._is_last_batch() or len(self._off_graph_shapes) > MAX_OFF_GRAPH_SHAPES:
             self._fall_back_train(
@@ -281,16 +295,29 @@ class CudaGraphEngine(CompiledEngine):
                 CompiledEngine,
                 redo=False,
             )
-        return super().train_step(batch, update)
+            return super().train_step(batch, update)
+        captured = self._last_graphs.get(update)
+        if captured is not None:
+            return self._replay(captured, batch, update)
+        if self._warm[signature] >= WARM_RUNS_OF_THE_LAST_SHAPE:
+            return self._capture_and_replay(batch, update, signature, last=True)
+        # Its first run compiles the shape and takes a full set of activations: not beside the
+        # pool the graphs hold, so they go first and are captured again when their shapes come
+        self._release_graphs()
+        return self._warmup_step(batch, update, signature)
 
-    def _capture_and_replay(self, batch, update: bool, signature) -> dict:
-        if self._static is None:
+    def _capture_and_replay(self, batch, update: bool, signature, last: bool = False) -> dict:
+        static = self._last_static if last else self._static
+        if static is None:
             static = StaticBatch(batch)
             if static.signature != signature:
                 self._fall_back_train("calculate_train_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
                 return self.train_step(batch, update)
-            self._static = static
-        static = self._static
+            if last:
+                self._last_static = static
+            else:
+                self._static = static
+        graphs = self._last_graphs if last else self._train_graphs
         optimizer = inner_optimizer(self.trainer.optimizer)
         references = ReferenceSnapshot(optimizer)
         grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
@@ -310,13 +337,14 @@ class CudaGraphEngine(CompiledEngine):
             self._drop_graphs()
             self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
             return self.train_step(batch, update)
-        self._train_graphs[update] = CapturedStep(
+        captured = graphs[update] = CapturedStep(
             graph, batch_output, norm, self._train_ring, tables, keep_model_outputs=self.ctx.keeps_model_outputs("train")
         )
         del batch_output  # what the step keeps is in the CapturedStep
-        self._train_graphs[update].record = CaptureRecord(self.trainer.model, optimizer)
+        captured.static = static
+        captured.record = CaptureRecord(self.trainer.model, optimizer)
         self._graphed_model = self.trainer.model
-        return self._replay(self._train_graphs[update], batch, update)
+        return self._replay(captured, batch, update)
 
     def _train_body(self, batch, update: bool):
         trainer = self.trainer
@@ -347,7 +375,7 @@ class CudaGraphEngine(CompiledEngine):
             return self.train_step(batch, update)
         if update:
             hparams.sync()
-        self._static.load(batch)
+        captured.static.load(batch)
         batch_output, norm = captured.replay()
         if update:
             self.last_grad_norm = norm
@@ -379,8 +407,8 @@ class CudaGraphEngine(CompiledEngine):
             return
         reason = captured.record.model_change(self.trainer.model)
         if reason is not None:
-            # the evaluation graph's forward read the same parameters
-            self._eval_graph = self._eval_static = self._eval_graphed_model = None
+            # the evaluation graphs' forward read the same parameters
+            self._drop_eval_graphs()
             self._eval_warm.clear()
             self._eval_off_graph_shapes.clear()
             self._recapture(reason, inner_optimizer(self.trainer.optimizer))
@@ -419,18 +447,53 @@ class CudaGraphEngine(CompiledEngine):
         )
 
     def _drop_graphs(self) -> None:
-        self._train_graphs.clear()
-        self._graphed_model = None
-        self._static = None
+        # what they were captured with changed: warm up again before the next capture
+        self._drop_train_graphs()
         self._warm.clear()
         self._warm_steps = self._warm_updates = self._sync_free_updates = 0
 
+    def _drop_train_graphs(self) -> None:
+        self._train_graphs.clear()
+        self._last_graphs.clear()
+        self._graphed_model = None
+        self._static = self._last_static = None
+
+    def _drop_eval_graphs(self) -> None:
+        self._eval_graph = self._eval_last_graph = None
+        self._eval_static = self._eval_last_static = self._eval_graphed_model = None
+
+    def _graphs_held(self) -> bool:
+        return bool(self._train_graphs or self._last_graphs) or self._eval_graph is not None or self._eval_last_graph is not None
+
+    def _release_graphs(self) -> None:
+        # Before the first run of the partial batch's shape: every graph goes (keeping the warm-up
+        # counts, so they are captured again at their shapes' next batch) and the memory pool is
+        # handed back, so that run's activations are not taken beside it.
+        if not self._graphs_held():
+            return
+        self._drop_train_graphs()
+        self._drop_eval_graphs()
+        self._return_cached_memory()
+
     # ------------------------------------------------------------------ CUDA specifics
-    # Kept in these three methods so that the tests can run the engine's logic on the CPU with
-    # host stand-ins for streams and graphs (tests/test_engine_graph_logic.py).
+    # Kept in these methods so that the tests can run the engine's logic on the CPU with host
+    # stand-ins for streams, graphs and the allocator (tests/test_engine_graph_logic.py).
     def _create_stream_and_pool(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device=device)
+        self._pool = None  # made by the first capture (_new_pool)
+
+    def _new_pool(self) -> None:
+        # A capture with no graph alive starts a pool of its own: the allocator refuses to share
+        # a pool whose graphs were all freed. The memory the allocator caches (the warm-up's or
+        # the partial batch's activations, a freed pool) is handed back first, so that the pool is
+        # not taken beside it. SYNC: empty_cache waits for the device; once per new pool (the
+        # first capture, and after the graphs were dropped), never per step.
+        torch.cuda.empty_cache()
         self._pool = torch.cuda.graph_pool_handle()
+
+    def _return_cached_memory(self) -> None:
+        # SYNC: empty_cache waits for the device; once, before the partial batch's first run
+        torch.cuda.empty_cache()
 
     @contextlib.contextmanager
     def _on_side_stream(self):
@@ -445,6 +508,11 @@ class CudaGraphEngine(CompiledEngine):
             current.wait_stream(stream)
 
     def _capture(self, body):
+        if self._pool is None or not self._graphs_held():
+            self._new_pool()
+        return self._record(body)
+
+    def _record(self, body):
         graph = torch.cuda.CUDAGraph()
         stream = self._stream
         current = torch.cuda.current_stream()
@@ -473,8 +541,7 @@ class CudaGraphEngine(CompiledEngine):
             return super().eval_step(batch)
         if captured is not None:
             if signature == self._eval_static.signature:
-                self._eval_static.load(batch)
-                return captured.replay()[0]
+                return self._replay_eval(captured, batch)
             self._eval_off_graph_shapes.add(signature)
             if len(self._eval_off_graph_shapes) > MAX_OFF_GRAPH_SHAPES:
                 self._fall_back_eval(
@@ -484,7 +551,13 @@ class CudaGraphEngine(CompiledEngine):
                     redo=False,
                 )
                 return self.eval_step(batch)
-            return super().eval_step(batch)
+            # the last, partial batch: a graph of its own in the shared pool, as in training
+            last = self._eval_last_graph
+            if last is not None:
+                return self._replay_eval(last, batch)
+            if self._eval_warm[signature] >= WARM_RUNS_OF_THE_LAST_SHAPE:
+                return self._capture_eval(batch, signature, last=True)
+            self._release_graphs()
         if self._eval_warm[signature] >= WARMUP_STEPS_PER_SHAPE:
             return self._capture_eval(batch, signature)
         with self._on_side_stream():
@@ -492,12 +565,16 @@ class CudaGraphEngine(CompiledEngine):
         self._eval_warm[signature] += 1
         return batch_output
 
-    def _capture_eval(self, batch, signature) -> dict:
+    @staticmethod
+    def _replay_eval(captured: CapturedStep, batch) -> dict:
+        captured.static.load(batch)
+        return captured.replay()[0]
+
+    def _capture_eval(self, batch, signature, last: bool = False) -> dict:
         static = StaticBatch(batch)
         if static.signature != signature:
             self._fall_back_eval("calculate_eval_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
             return self.eval_step(batch)
-        self._eval_static = static
         ring = self._eval_ring
 
         def body():
@@ -511,11 +588,15 @@ class CudaGraphEngine(CompiledEngine):
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             if _is_control_flow(error):
                 raise
-            self._eval_static = None
+            self._drop_eval_graphs()
             self._fall_back_eval(self._hook, describe_error(error), CompiledEngine)
             return self.eval_step(batch)
-        self._eval_graph = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
+        captured = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
         del batch_output  # what the step keeps is in the CapturedStep
+        captured.static = static
+        if last:
+            self._eval_last_graph, self._eval_last_static = captured, static
+        else:
+            self._eval_graph, self._eval_static = captured, static
         self._eval_graphed_model = self.trainer.model
-        static.load(batch)
-        return self._eval_graph.replay()[0]
+        return self._replay_eval(captured, batch)

@@ -166,6 +166,8 @@ class CapturedStep:
         #: what a training graph was captured with (a :class:`~fasttrain.engine.replay_guard.
         #: CaptureRecord`), checked before each replay; set by the engine
         self.record = None
+        #: the :class:`StaticBatch` the graph reads its batch from; set by the engine
+        self.static = None
         # outputs are read by callbacks before the next replay; detach so they do not pin the
         # autograd graph recorded at capture time. The model outputs (logits: often the largest
         # tensor of the step, upcast to fp32 under bf16) are kept only where a callback asks for
