@@ -111,15 +111,21 @@ def run_procedure(procedure: str) -> str:
 def main() -> int:
     text = DOCS.read_text()
     output = run_procedure(documented_procedure(text))
-    print(output, end="" if output.endswith("\n") else "\n")
     found = problems(text, output)
-    counts, _ = run_results(output)
+    counts, failing = run_results(output)
     if found:
+        # the whole run, to see why
+        print(output, end="" if output.endswith("\n") else "\n")
         print("pytorch-accelerated's suite disagrees with docs/migrating.md:", file=sys.stderr)
         for problem in found:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    print(f"pytorch-accelerated's suite: {counts.get('passed', 0)} passed, failures as documented")
+    # As documented: the original's tests that fasttrain fails on purpose are named, not shown
+    # as pytest's FAILED lines, which a reader of the CI log would take for failures of this run.
+    print(f"pytorch-accelerated's suite: {counts.get('passed', 0)} passed, failures as documented "
+          f"({len(failing)}, listed in docs/migrating.md):")
+    for test_id in sorted(failing):
+        print(f"  documented: {test_id}")
     return 0
 
 
