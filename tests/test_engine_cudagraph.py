@@ -35,6 +35,15 @@ pytestmark = [
 ]
 
 
+def _eager_and_graphed(case):
+    """The case run eagerly and graphed on the GPU, with fasttrain's warnings of both runs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", device="cuda")
+        graphed = run(case, "cudagraph", device="cuda")
+    return eager, graphed, fasttrain_warnings(caught)
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -50,11 +59,8 @@ pytestmark = [
     ids=["mlp-adamw-onecycle-norm", "convnet-bn-sgd-value"],
 )
 def test_graphed_matches_eager(case):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager", device="cuda")
-        graphed = run(case, "cudagraph", device="cuda")
-    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    eager, graphed, ours = _eager_and_graphed(case)
+    assert not ours, ours
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
     assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
@@ -125,12 +131,7 @@ def test_replays_with_new_batch_contents_give_their_own_losses():
 
 
 def test_host_read_in_a_hook_falls_back_to_compiled_with_one_warning():
-    case = mlp_case(HostReadingTrainer)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager", device="cuda")
-        graphed = run(case, "cudagraph", device="cuda")
-    ours = fasttrain_warnings(caught)
+    eager, graphed, ours = _eager_and_graphed(mlp_case(HostReadingTrainer))
     assert len(ours) == 1, ours
     assert "'optimizer_step'" in ours[0] and "'compiled'" in ours[0]
     assert graphed.trainer._engine.active_engine == "compiled"
@@ -139,12 +140,7 @@ def test_host_read_in_a_hook_falls_back_to_compiled_with_one_warning():
 
 
 def test_a_step_compiled_with_graph_breaks_is_captured_and_replayed():
-    case = mlp_case(GraphBreakTrainer)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager", device="cuda")
-        graphed = run(case, "cudagraph", device="cuda")
-    ours = fasttrain_warnings(caught)
+    eager, graphed, ours = _eager_and_graphed(mlp_case(GraphBreakTrainer))
     assert len(ours) == 2 and all("graph breaks" in m for m in ours), ours
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"

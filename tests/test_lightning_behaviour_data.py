@@ -73,6 +73,19 @@ def test_a_val_dataloader_that_draws_random_numbers_leaves_the_order_as_lightnin
     assert_same_weights(reference, ours)
 
 
+def _resumed_both(path, batches):
+    """Lightning and fasttrain.lightning fitting a fresh module for 3 epochs from the checkpoint at
+    ``path``, over the shuffled loader of ``batches`` batches; the two modules."""
+
+    def action(trainer):
+        module = Seen()
+        trainer.fit(module, _shuffled(batches), ckpt_path=path)
+        return module
+
+    out = run_both(action, max_epochs=3)
+    return out["lightning"], out["fasttrain"]
+
+
 def test_a_mid_epoch_resume_sees_lightnings_batches(tmp_path):
     kwargs = dict(QUIET, enable_checkpointing=True)
     torch.manual_seed(0)
@@ -80,15 +93,7 @@ def test_a_mid_epoch_resume_sees_lightnings_batches(tmp_path):
                                                                        save_top_k=-1, filename="{step}")],
                               **{k: v for k, v in kwargs.items() if k != "enable_checkpointing"})
     writer.fit(Seen(), _shuffled(7))
-    path = os.path.join(tmp_path, "step=2.ckpt")
-
-    def action(trainer):
-        module = Seen()
-        trainer.fit(module, _shuffled(7), ckpt_path=path)
-        return module
-
-    out = run_both(action, max_epochs=3)
-    reference, ours = out["lightning"], out["fasttrain"]
+    reference, ours = _resumed_both(os.path.join(tmp_path, "step=2.ckpt"), 7)
     # Lightning counts on from batch 2 on a fresh iterator of the loader
     assert [s[:2] for s in reference.seen[:2]] == [(0, 2), (0, 3)]
     assert ours.seen == reference.seen
@@ -101,14 +106,7 @@ def test_a_resume_after_an_epoch_sees_lightnings_batches(tmp_path):
     writer.fit(Seen(), _shuffled(5))
     path = tmp_path / "epoch.ckpt"
     writer.save_checkpoint(path)
-
-    def action(trainer):
-        module = Seen()
-        trainer.fit(module, _shuffled(5), ckpt_path=path)
-        return module
-
-    out = run_both(action, max_epochs=3)
-    reference, ours = out["lightning"], out["fasttrain"]
+    reference, ours = _resumed_both(path, 5)
     assert [s[:2] for s in reference.seen[:1]] == [(1, 0)] and len(reference.seen) == 8
     assert ours.seen == reference.seen
     assert_same_weights(reference, ours)
