@@ -11,6 +11,13 @@ a hundred microseconds).
 
 What it means for the messages: a call left out of a compiled graph does not run, so a message a
 model logs from inside its compiled forward is not printed (it is when the hook runs eagerly).
+
+Dynamo logs its configuration with every compiled frame's metrics, sorting each set in it. Torch
+2.13 leaves this setting out of that record; torch 2.11 sorts it too, and a set of functions cannot
+be sorted, so each compile logged an ERROR with a traceback ("Unexpected exception logging
+compilation metrics"). Where a probe shows this torch does so, :func:`_record_config_without_ignored`
+makes the record leave the setting out as newer torch does (installed once, at the first compiled
+call).
 """
 
 from __future__ import annotations
@@ -49,6 +56,54 @@ def ignored_logging_functions():
     return None
 
 
+def _config_record_sorts_ignored_functions(ignored: set) -> bool:
+    """Whether dynamo's record of its configuration (``torch._dynamo.utils``' private
+    ``_get_dynamo_config_for_logging``, called for every compiled frame's metrics) fails on a set of
+    ignored logging functions, as it does on torch 2.11."""
+    record = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
+    if record is None:
+        return False
+    probe = tuple(method for method in (logging.Logger.debug, logging.Logger.info) if method not in ignored)
+    ignored.update(probe)
+    try:
+        record()
+    except TypeError:
+        return True
+    finally:
+        ignored.difference_update(probe)
+    return False
+
+
+def _record_config_without_ignored(record):
+    """``record`` (dynamo's configuration record) taken with the ignored logging functions left out
+    for its duration, as torch 2.13 leaves them out of it."""
+
+    def without_ignored():
+        ignored = ignored_logging_functions()
+        held = set(ignored)
+        ignored.clear()
+        try:
+            return record()
+        finally:
+            ignored.update(held)
+
+    without_ignored.wrapped = record
+    return without_ignored
+
+
+_config_record_checked = False
+
+
+def _keep_config_record_working(ignored: set) -> None:
+    global _config_record_checked
+    if _config_record_checked:
+        return
+    _config_record_checked = True
+    if _config_record_sorts_ignored_functions(ignored):
+        utils = torch._dynamo.utils
+        utils._get_dynamo_config_for_logging = _record_config_without_ignored(utils._get_dynamo_config_for_logging)
+
+
 class ignoring_logger_calls:
     """A context in which dynamo traces Logger method calls as no-ops (the ones it did not ignore
     already are added, and removed again on exit)."""
@@ -59,6 +114,7 @@ class ignoring_logger_calls:
         ignored = ignored_logging_functions()
         self.added = ()
         if ignored is not None:
+            _keep_config_record_working(ignored)
             self.added = tuple(method for method in logger_methods() if method not in ignored)
             ignored.update(self.added)
         return self
