@@ -177,6 +177,7 @@ def step_context(trainer, base: type) -> StepContext:
         train_batches=train_batches,
         mutated_flags=trainer._update_clip.mutated_flags,
         update_read_host=lambda: trainer._nonfinite.last_update_read_host,
+        before_update_capture=trainer._update_clip.before_capture,
         keeps_model_outputs=lambda phase: any(
             asks_for_model_outputs(cb, phase) for cb in trainer.callback_handler.callbacks
         ),

@@ -29,7 +29,7 @@ if _installed is not None:
             _sys.modules[__name__ + _name[len("fasttrain.kernels"):]] = _module
     _sys.modules[__name__] = _installed
 else:
-    from ._multi_tensor import hold_chunk_tables, triton_available, triton_interpreted
+    from ._multi_tensor import hold_chunk_tables, prepare_chunk_tables, triton_available, triton_interpreted
     from .clip_norm import clip_grad_norm_, clip_grad_norm_reference, clip_grad_norm_triton
     from .clip_norm_sharded import (
         clip_grad_norm_from_sumsq_,
@@ -68,6 +68,7 @@ else:
         "grad_sumsq_reference",
         "grad_sumsq_triton",
         "hold_chunk_tables",
+        "prepare_chunk_tables",
         "reset_counters_",
         "triton_available",
         "triton_interpreted",

@@ -298,6 +298,25 @@ def _held(entry: ChunkTable) -> ChunkTable:
     return entry
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being recorded into a CUDA graph now (no table can be copied
+    to the device then). Looked up at each call, so that host stand-ins for capture can say yes."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def prepare_chunk_tables(grads: Sequence[Tensor], chunk: int = DEFAULT_CHUNK) -> Optional[ChunkTable]:
+    """Build (or refresh in the cache) the table the fused kernels will use for ``grads``, where
+    they run on these tensors; returns it, or None where the reference path runs instead.
+
+    A CUDA graph capture cannot copy a new table to the device, so whoever captures a step that
+    clips calls this first: the capture then finds the table cached even after the cache evicted
+    it (another model's tables, or a graph dropped with the tables it held)."""
+    grads = [g for g in grads if g is not None]
+    if not triton_can_clip(grads):
+        return None
+    return chunk_table(grads, chunk)
+
+
 def chunk_table(grads: Sequence[Tensor], chunk: int) -> ChunkTable:
     """Build (or fetch from a small LRU cache) the chunk table for ``grads``.
 
@@ -310,7 +329,7 @@ def chunk_table(grads: Sequence[Tensor], chunk: int) -> ChunkTable:
     if entry is not None:
         _TABLE_CACHE.move_to_end(key)
         return _held(entry)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         raise RuntimeError(
             "fused clipping: the gradient table for these tensors is not built yet and cannot be "
             "copied to the device during CUDA graph capture; run one step before capturing"

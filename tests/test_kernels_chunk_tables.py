@@ -95,3 +95,68 @@ def test_the_captured_step_keeps_the_tables_its_capture_used(monkeypatch):
     for captured in engine._train_graphs.values():
         assert len(captured.tables) == 1 and captured.tables[0].num_chunks >= 1
     assert engine.table in [t for c in engine._train_graphs.values() for t in c.tables]
+
+
+def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(monkeypatch):
+    """The graphs are dropped before the epoch's partial batch and captured again in the next
+    epoch; meanwhile other tables evicted the gradients' one. A capture cannot copy a table to the
+    device, so the engine builds the tables before capturing an update (as on a GPU, where the
+    kernels look the table up inside the capture and a miss raised)."""
+    import warnings
+
+    from fasttrain import Trainer
+    from fasttrain.callbacks import TrainerCallback
+    from fasttrain.engine import ENGINES
+    from fasttrain.engine.clipping import gradients_of
+    from test_engine_graph_logic import AOT, HostGraphEngine, mlp_case
+    from engine_cases import assert_runs_match, fasttrain_warnings, run
+
+    class KernelTablesInCapture(HostGraphEngine):
+        """Looks the table up inside each update capture, with table builds refused there, as the
+        clipping kernels do on a GPU."""
+
+        def _capture_and_replay(self, batch, update, signature, last=False):
+            self.capturing_update = update
+            return super()._capture_and_replay(batch, update, signature, last)
+
+        def _record(self, body):
+            calls = []
+
+            def recorded():
+                # the stand-in's capture runs the body once; its replays run it again, where a real
+                # replay looks nothing up
+                if not calls and self.capturing_update:
+                    with monkeypatch.context() as capture:
+                        capture.setattr(multi_tensor, "capturing", lambda device: True)
+                        multi_tensor.chunk_table(gradients_of(self.trainer.model.parameters()), multi_tensor.DEFAULT_CHUNK)
+                calls.append(1)
+                return body()
+
+            return super()._record(recorded)
+
+    class FloodTables(TrainerCallback):
+        """Once the graphs exist, builds more tables than the cache keeps."""
+
+        def __init__(self):
+            self.seen, self.kept = 0, []
+
+        def on_train_step_end(self, trainer, **kwargs):
+            self.seen += 1
+            if self.seen == 6:
+                self.kept = _flood_cache()
+
+    class FloodingTrainer(Trainer):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, FloodTables()], **kwargs)
+
+    monkeypatch.setattr(multi_tensor, "triton_can_clip", lambda grads: bool(grads))  # as on a GPU
+    monkeypatch.setitem(ENGINES, "cudagraph", KernelTablesInCapture)
+    case = mlp_case(trainer_cls=FloodingTrainer, epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", eval_dataset=None)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert_runs_match(eager, graphed)

@@ -209,6 +209,18 @@ class GradientClipper:
         storages = [g.untyped_storage().data_ptr() for g in grads]
         self.clips_outside_graphs = len(set(storages)) < len(storages)
 
+    def prepare_tables(self) -> None:
+        """Build the fused kernels' chunk tables for the gradients as they are now (host work and
+        one queued copy, no host read): a CUDA graph that captures the clipping cannot build them,
+        and the kernels' small cache may have evicted them since the last capture."""
+        from fasttrain import kernels
+
+        if self.sharding is not None:
+            shards, whole = self.sharding.local_gradients()
+            kernels.prepare_chunk_tables(shards + whole)
+        else:
+            kernels.prepare_chunk_tables(gradients_of(self.parameters))
+
     @property
     def always_communicates(self) -> bool:
         """True when every call takes part in a collective, whatever this process's gradients
@@ -299,6 +311,11 @@ class UpdateClip:
         if self.accelerator is not None and self.accelerator.scaler is not None:
             self.accelerator.unscale_gradients()
         return self.guard.clip(self.clipper)
+
+    def before_capture(self) -> None:
+        """What a CUDA graph capture of the update cannot do itself: the kernels' chunk tables."""
+        if self.active and self.clipper is not None:
+            self.clipper.prepare_tables()
 
     def mutated_flags(self) -> tuple:
         """The device flags the kernels raise in place (restored when a failed step is undone)."""

@@ -56,6 +56,8 @@ class StepContext:
         captured graph's model outputs alive (graph memory, one set per graph) only then.
     :param update_read_host: True when the last optimizer update read a device value on the host
         (``nonfinite="skip"`` before its masked skip is armed): such an update cannot be captured.
+    :param before_update_capture: called before a CUDA graph captures an update, outside the
+        capture: builds what the capture cannot (the clipping kernels' chunk tables).
     """
 
     trainer: Any
@@ -71,6 +73,7 @@ class StepContext:
     mutated_flags: Callable[[], tuple] = lambda: ()
     update_read_host: Callable[[], bool] = lambda: False
     keeps_model_outputs: Callable[[str], bool] = lambda phase: True
+    before_update_capture: Callable[[], None] = lambda: None
 
     def overrides(self, hook: str) -> bool:
         """True when the trainer's class overrides the default hook ``hook``."""

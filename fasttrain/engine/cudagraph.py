@@ -321,6 +321,8 @@ class CudaGraphEngine(CompiledEngine):
         optimizer = inner_optimizer(self.trainer.optimizer)
         references = ReferenceSnapshot(optimizer)
         grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
+        if update:
+            self.ctx.before_update_capture()
         try:
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
