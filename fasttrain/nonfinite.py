@@ -47,6 +47,16 @@ def _fused_torch_optimizer(optimizer) -> bool:
     )
 
 
+@torch.compiler.disable
+def _flag_clear(found_inf: torch.Tensor) -> bool:
+    # Left out of a compiled update on purpose: the read splits its graph there (where dynamo
+    # would otherwise log the split as a graph break to fix), and the update after it runs
+    # compiled as usual.
+    # SYNC(update): a non-fused optimizer cannot skip an update on the device, so the host reads the
+    # flag once per update; fused optimizers skip inside their kernel instead
+    return found_inf.item() == 0.0
+
+
 class NonFiniteGuard:
     """Applies a non-finite policy for one ``train()`` call.
 
@@ -116,9 +126,7 @@ class NonFiniteGuard:
             self.last_update_read_host = False
             return True
         self.last_update_read_host = True
-        # SYNC(update): a non-fused optimizer cannot skip an update on the device, so the host reads the
-        # flag once per update; fused optimizers skip inside their kernel instead
-        return self.found_inf.item() == 0.0
+        return _flag_clear(self.found_inf)
 
     def clip(self, clipper) -> Optional[torch.Tensor]:
         """Clip (when ``clipper`` is enabled) and, for "skip", flag non-finite gradients in

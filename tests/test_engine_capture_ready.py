@@ -41,6 +41,27 @@ def test_nothing_compiles_during_capture_or_after_the_first_epoch(monkeypatch, n
     assert after[0] == after[1] == after[2], after
 
 
+@pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
+def test_the_first_updates_host_check_logs_no_graph_break(monkeypatch, engine):
+    # nonfinite="skip" reads the flag on the host until the optimizer state exists; inside the
+    # compiled update that read is a deliberate split of the graph, not one for the user to fix
+    import logging
+
+    from fasttrain.engine import ENGINES, masked_step
+    from log_records import torch_log_records
+
+    monkeypatch.setitem(ENGINES, "cudagraph", CountingCaptures)
+    monkeypatch.setattr(masked_step, "host_read_is_free", lambda device: False)
+    CountingCaptures.frames_in_captures = []
+    case = mlp_case(epochs=1, trainer_cls=functools.partial(Trainer, nonfinite="skip"))
+    with warnings.catch_warnings(record=True) as caught, torch_log_records(logging.WARNING) as records:
+        warnings.simplefilter("always")
+        result = run(case, engine, AOT, eval_dataset=None)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    assert result.trainer.active_engine == engine
+    assert [r.getMessage() for r in records if "graph break" in r.getMessage().lower()] == []
+
+
 def test_the_clipping_and_skip_flags_exist_before_the_first_update():
     from fasttrain.engine.clipping import GradientClipper
     from fasttrain.nonfinite import NonFiniteGuard

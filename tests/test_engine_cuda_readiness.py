@@ -108,7 +108,9 @@ def test_nothing_compiles_during_capture(monkeypatch, nonfinite):
         warnings.simplefilter("always")
         graphed = run(case, "cudagraph", device="cuda")
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
-    assert CountingCaptures.frames_in_captures == [0, 0, 0]
+    # as on the CPU (test_engine_capture_ready): non-update, update and evaluation graphs, captured
+    # again after the partial batches' first runs, and the partial batches' own: 3 + 3 + 2
+    assert CountingCaptures.frames_in_captures == [0] * 8
     counts = graphed.recorder.counts_after_epoch
     assert counts[0] == counts[-1], counts
 

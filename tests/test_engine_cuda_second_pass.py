@@ -208,7 +208,9 @@ def test_strided_device_batches_are_captured_without_tracing_in_the_capture():
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
     assert engine._static.tree[0].stride() == (16, 2)
-    assert Counting.frames_in_captures == [0, 0]
+    # the non-update and update graphs, captured again after the partial batch's first run, and
+    # the partial batch's own graph (two epochs, no evaluation): 2 + 2 + 1
+    assert Counting.frames_in_captures == [0] * 5
     for key in eager.state:
         torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from fasttrain.engine.logging_calls import ignored_logging_functions, ignoring_logger_calls, logger_methods
 from fasttrain.trainer import Trainer
+from log_records import torch_log_records
 
 logger = logging.getLogger("fasttrain.tests.logging_model")
 
@@ -97,29 +98,12 @@ def test_transformers_gpt2_runs_compiled():
     assert _logging_breaks() == {}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(level=logging.ERROR)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
 def test_compiling_a_model_that_logs_writes_no_error_record():
     # torch 2.11's compilation-metrics logger sorts every set of dynamo's config, the ignored
     # logging functions included: with Logger methods in it, each compiled frame logged an ERROR
     # ("Unexpected exception logging compilation metrics") with a traceback
-    handler = _Records()
-    # torch's loggers do not propagate to the root logger (some not even to "torch"): listen on each
-    loggers = [logging.getLogger(name) for name in ("torch", *logging.root.manager.loggerDict) if name.startswith("torch")]
-    for each in loggers:
-        each.addHandler(handler)
     torch._dynamo.reset()  # compile afresh: the metrics are logged when a frame is compiled
-    try:
+    with torch_log_records(logging.ERROR) as records:
         trainer = _train(LoggingModel(), engine="compiled", compile_options={"backend": "aot_eager"})
-    finally:
-        for each in loggers:
-            each.removeHandler(handler)
     assert trainer.active_engine == "compiled"
-    assert [record.getMessage() for record in handler.records] == []
+    assert [record.getMessage() for record in records] == []
