@@ -38,21 +38,46 @@ def sync_mode(mode):
 
 
 class SyncsPerUpdate(Trainer):
-    """Counts the synchronisations of each ``optimizer_step`` (the non-finite check included) as
-    ``set_sync_debug_mode("warn")`` reports them. The hook runs outside dynamo (the compiled
-    engine's update graph-breaks around it), so the count is taken on every update."""
+    """Records, for each optimizer update, the synchronisations ``set_sync_debug_mode("warn")``
+    reports while the engine runs the update as training runs it (the compiled update, or the
+    eager one after a fallback; the non-finite check included), and whether that check read the
+    flag on the host. Counted around the engine's update (:func:`count_update_syncs`), not inside
+    the hook: a hook kept out of dynamo to count in it would step the optimizer eagerly, where
+    its tensor learning rate and betas are read on the host, which the compiled update never does.
+    ``fall_back_after``: fall back to the eager engine after that many compiled updates (as a
+    graph break in a later-traced shape or the recompile limit would)."""
+
+    fall_back_after = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.syncs = []
+        self.host_checks = []
 
-    @torch.compiler.disable
-    def optimizer_step(self):
+
+def _counting(update):
+    def counted(engine):
+        trainer = engine.trainer
+        if not isinstance(trainer, SyncsPerUpdate):
+            return update(engine)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with sync_mode("warn"):
-                super().optimizer_step()
-        self.syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+                update(engine)
+        trainer.syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        trainer.host_checks.append(trainer._nonfinite.last_update_read_host)
+        if len(trainer.syncs) == trainer.fall_back_after and engine.active_engine == "compiled":
+            engine._fall_back_train(None, "test", EagerEngine, warn=False, redo=False)
+
+    return counted
+
+
+@pytest.fixture(autouse=True)
+def count_update_syncs(monkeypatch):
+    from fasttrain.engine.compiled import CompiledEngine
+
+    monkeypatch.setattr(CompiledEngine, "_compiled_update", _counting(CompiledEngine._compiled_update))
+    monkeypatch.setattr(EagerEngine, "update_step", _counting(EagerEngine.update_step))
 
 
 def _runs_clean(case, engine):
@@ -96,22 +121,13 @@ def test_plain_sgd_skip_is_captured_without_a_sync():
     assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 2
     case.trainer_cls = functools.partial(SyncsPerUpdate, nonfinite="skip")
     compiled = _runs_clean(case, "compiled")
-    assert set(compiled.trainer.syncs) == {0}  # masked from the first update: no host check
+    # masked from the first update: no host check, no synchronisation
+    assert set(compiled.trainer.host_checks) == {False} and set(compiled.trainer.syncs) == {0}
 
 
 # defect 6 -------------------------------------------------------------------------------------
 class FallBackAfter(SyncsPerUpdate):
-    """Falls back to the eager engine after ``updates`` compiled updates (as a graph break in a
-    later-traced shape or the recompile limit would)."""
-
-    updates = 3
-
-    @torch.compiler.disable
-    def optimizer_step(self):
-        super().optimizer_step()
-        engine = self._engine
-        if len(self.syncs) == self.updates and engine.active_engine == "compiled":
-            engine._fall_back_train(None, "test", EagerEngine, warn=False, redo=False)
+    fall_back_after = 3
 
 
 def test_after_a_fallback_to_eager_the_skip_reads_the_host_once_per_update():
@@ -124,6 +140,7 @@ def test_after_a_fallback_to_eager_the_skip_reads_the_host_once_per_update():
     assert trainer.optimizer.param_groups[0]["capturable"] is False
     # the first update is checked on the host (no state yet), the next two are masked, and after
     # the fallback each is checked on the host once (not once per parameter's step counter)
+    assert trainer.host_checks[:4] == [True, False, False, True] and set(trainer.host_checks[3:]) == {True}
     assert trainer.syncs[:3] == [1, 0, 0]
     assert set(trainer.syncs[3:]) == {1}
 

@@ -209,3 +209,35 @@ def test_capture_waits_until_the_masked_skip_is_armed(device_like):
     assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 4  # two per epoch
     for key in eager.state:
         torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+
+
+def test_the_compiled_update_runs_the_optimizers_step_compiled_and_plain_sgd_never_checks_on_the_host(
+    device_like, monkeypatch
+):
+    """SGD steps with ``alpha=-lr``, a host read of a tensor learning rate when it runs eagerly;
+    traced, it multiplies on the device instead. So the compiled update must run the step's
+    functional itself compiled (a harness that ran the ``optimizer_step`` hook outside dynamo saw
+    one synchronisation per update on a GPU, which training never makes), and plain SGD, whose
+    masked skip is armed from the first update, never reads the flag on the host."""
+    import torch.optim.sgd as sgd_module
+
+    compiled, checks = [], []
+    functional = sgd_module.sgd
+
+    def recording(*args, **kwargs):
+        compiled.append(torch.compiler.is_compiling())
+        return functional(*args, **kwargs)
+
+    monkeypatch.setattr(sgd_module, "sgd", recording)
+
+    class Checks(Trainer):
+        def optimizer_step(self):
+            super().optimizer_step()
+            checks.append(self._nonfinite.last_update_read_host)
+
+    case = mlp_case(trainer_cls=functools.partial(Checks, nonfinite="skip"), epochs=1, create_scheduler_fn=None)
+    case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+    result = run(case, "compiled", {"backend": "aot_eager"}, eval_dataset=None)
+    assert result.trainer.active_engine == "compiled"
+    assert compiled and all(compiled), compiled
+    assert checks and not any(checks), checks
