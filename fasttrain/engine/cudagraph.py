@@ -50,6 +50,7 @@ from fasttrain.engine.compiled import (
 from fasttrain.engine.context import StepContext
 from fasttrain.sharding import is_fsdp2
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
+from fasttrain.engine.graph_grads import GradientKeeper
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
@@ -134,6 +135,8 @@ class CudaGraphEngine(CompiledEngine):
         self._stream = None
         self._pool = None
         self._own_zero_grad = True
+        #: the gradient tensors the graphs write into, kept across hooks that set them to None
+        self._grads = GradientKeeper()
         # the model each graph was captured with (a callback may swap trainer.model)
         self._graphed_model = None
         self._eval_graphed_model = None
@@ -194,11 +197,29 @@ class CudaGraphEngine(CompiledEngine):
             self._eval_ring.warm_up()
 
     def zero_grad(self) -> None:
-        # Graphs write into the gradient tensors that existed at capture: keep them, zeroed.
+        # Warm-up updates (the compiled engine's path). Graphs write into the gradient tensors
+        # that existed at capture: keep them, zeroed.
+        optimizer = inner_optimizer(self.trainer.optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = self._grads
+        grads.remember(params)
         if self._own_zero_grad:
-            inner_optimizer(self.trainer.optimizer).zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=False)
         else:
+            before = [(p, p.grad) for p in params]
             self.trainer.optimizer_zero_grad()
+            grads.note_hook(before)  # whether the hook drops gradients: see _captured_zero_grad
+
+    def _captured_zero_grad(self):
+        """What an update graph records in the zero-grad hook's place."""
+        if self._own_zero_grad:
+            optimizer = inner_optimizer(self.trainer.optimizer)
+            return lambda: optimizer.zero_grad(set_to_none=False)
+        if self._grads.cleared:
+            # the hook drops gradients, which a graph cannot record: it runs after each replay
+            # (see _replay), and the graph zeroes in place what it drops (graph_grads.py)
+            return self._grads.zero_cleared
+        return self.trainer.optimizer_zero_grad
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch, update: bool) -> dict:
@@ -267,20 +288,7 @@ class CudaGraphEngine(CompiledEngine):
             self._warm_steps += 1
             self._warm_updates += int(update)
             self._sync_free_updates += int(update and not self.ctx.update_read_host())
-            if update and not self._own_zero_grad:
-                self._check_gradients_kept()
         return batch_output
-
-    def _check_gradients_kept(self) -> None:
-        params = [p for g in inner_optimizer(self.trainer.optimizer).param_groups for p in g["params"]]
-        if any(p.requires_grad and p.grad is None for p in params):
-            self._fall_back_train(
-                "optimizer_zero_grad",
-                "it sets the gradients to None, and a graph writes into the gradient tensors it was "
-                "captured with; call zero_grad(set_to_none=False) there",
-                CompiledEngine,
-                redo=False,
-            )
 
     def _off_graph_step(self, batch, update: bool, signature) -> dict:
         # A batch of another shape than the captured one. The epoch's last, partial batch gets
@@ -319,14 +327,18 @@ class CudaGraphEngine(CompiledEngine):
                 self._static = static
         graphs = self._last_graphs if last else self._train_graphs
         optimizer = inner_optimizer(self.trainer.optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # gradients a hook set to None get their tensors back (zeroed) for the graph to write into
+        self._grads.restore(params)
         references = ReferenceSnapshot(optimizer)
-        grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
+        grads = [(p, p.grad) for p in params]
         if update:
             self.ctx.before_update_capture()
         try:
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
-                graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update))
+                zero_grad = self._captured_zero_grad()
+                graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update, zero_grad))
             if any(p.grad is not grad for p, grad in grads):
                 raise _CaptureRefused(
                     "a hook replaced or removed gradient tensors during capture; call "
@@ -339,6 +351,7 @@ class CudaGraphEngine(CompiledEngine):
             self._drop_graphs()
             self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
             return self.train_step(batch, update)
+        self._grads.remember(params)  # the tensors this graph writes into
         captured = graphs[update] = CapturedStep(
             graph, batch_output, norm, self._train_ring, tables, keep_model_outputs=self.ctx.keeps_model_outputs("train")
         )
@@ -348,7 +361,7 @@ class CudaGraphEngine(CompiledEngine):
         self._graphed_model = self.trainer.model
         return self._replay(captured, batch, update)
 
-    def _train_body(self, batch, update: bool):
+    def _train_body(self, batch, update: bool, zero_grad):
         trainer = self.trainer
         functions = self._functions
         with self.no_sync_context(update):
@@ -361,7 +374,7 @@ class CudaGraphEngine(CompiledEngine):
             self._hook = "optimizer_step"
             norm = functions.update(self.ctx)
             self._hook = "optimizer_zero_grad"
-            self.zero_grad()
+            zero_grad()
         self._hook = "loss accumulation"
         self._train_ring.record(batch_output, norm)
         return batch_output, norm
@@ -381,6 +394,10 @@ class CudaGraphEngine(CompiledEngine):
         batch_output, norm = captured.replay()
         if update:
             self.last_grad_norm = norm
+            if self._grads.cleared and not self._own_zero_grad:
+                # the zero-grad hook that drops gradients runs here, eagerly (graph_grads.py)
+                self.trainer.optimizer_zero_grad()
+                self._grads.after_hook_following_a_replay()
             trainer = self.trainer
             if trainer.scheduler is not None:
                 trainer.scheduler_step()
@@ -394,9 +411,10 @@ class CudaGraphEngine(CompiledEngine):
         # was captured with (captured again). A replay never runs on stale tensors.
         record = captured.record
         optimizer = inner_optimizer(self.trainer.optimizer)
+        known_zero = self._grads.take_known_zero()  # valid for this replay only
         reason = record.structure_change(optimizer)
         if reason is None and record.grads_rebound():
-            reason = record.restore_grads()
+            reason = record.restore_grads(known_zero)
         if reason is None:
             return True
         self._recapture(reason, optimizer)

@@ -17,7 +17,7 @@ replay sees exactly what an eager step would. Every other change needs a new cap
 from __future__ import annotations
 
 import operator
-from typing import List, Optional
+from typing import FrozenSet, List, Optional
 
 import torch
 
@@ -74,10 +74,12 @@ class CaptureRecord:
         """True when a gradient attribute no longer holds the tensor the graph writes."""
         return not all(map(operator.is_, map(_grad_of, self.params), self.grads))
 
-    def restore_grads(self) -> Optional[str]:
+    def restore_grads(self, known_zero: FrozenSet[int] = frozenset()) -> Optional[str]:
         """Put the graph's gradient tensors back, carrying what the hook meant: ``None`` becomes
         zeros, a new tensor of the same layout is copied in (device work, queued, no sync).
-        Returns why that is impossible (a new gradient of another layout), else None."""
+        ``known_zero``: ids of parameters whose captured gradient is zero already (the update
+        graph zeroed it where a hook then set it to None), bound again as they are. Returns why
+        that is impossible (a new gradient of another layout), else None."""
         for p, captured in zip(self.params, self.grads):
             current = p.grad
             if current is captured:
@@ -92,7 +94,8 @@ class CaptureRecord:
                 if current is captured:
                     continue
                 if current is None:
-                    captured.zero_()
+                    if id(p) not in known_zero:
+                        captured.zero_()
                 else:
                     captured.copy_(current)
                 p.grad = captured
