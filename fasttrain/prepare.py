@@ -20,12 +20,7 @@ from fasttrain.callbacks.events import asks_for_model_outputs
 from fasttrain.data import place_single_process, with_device_attribute
 from fasttrain.engine import create_engine
 from fasttrain.engine.clipping import GradientClipper, UpdateClip
-from fasttrain.engine.context import (
-    StepContext,
-    no_sync_for,
-    optimizer_step_was_skipped,
-    overridden_hooks,
-)
+from fasttrain.engine.context import StepContext, no_sync_for, optimizer_step_was_skipped
 from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.torch_logs import quiet_profiler_notices
@@ -170,7 +165,7 @@ def step_context(trainer, base: type) -> StepContext:
         clip=trainer._clip_for_update(),
         step_was_skipped=lambda: optimizer_step_was_skipped(trainer.optimizer),
         no_sync=no_sync_for(trainer._accelerator, lambda: trainer.model, distributed),
-        overridden_hooks=overridden_hooks(trainer, base),
+        overridden_hooks=trainer._overridden_step_hooks(base),
         capture_blockers=blockers,
         training=trainer._train_dataloader is not None,
         step_in_epoch=lambda: trainer.progress.step_in_epoch,
@@ -178,6 +173,7 @@ def step_context(trainer, base: type) -> StepContext:
         mutated_flags=trainer._update_clip.mutated_flags,
         update_read_host=lambda: trainer._nonfinite.last_update_read_host,
         before_update_capture=trainer._update_clip.before_capture,
+        host_effects=trainer._host_effects(),
         keeps_model_outputs=lambda phase: any(
             asks_for_model_outputs(cb, phase) for cb in trainer.callback_handler.callbacks
         ),

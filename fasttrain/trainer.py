@@ -26,6 +26,7 @@ from fasttrain.callbacks import (
 )
 from fasttrain.data import default_dataloader_kwargs, merge_dataloader_kwargs
 from fasttrain.engine.clipping import GradientClipper
+from fasttrain.engine.context import NO_HOST_EFFECTS, overridden_hooks
 from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
@@ -519,6 +520,16 @@ class Trainer(ForwardBackwardHelper):
     def _run_eval_epoch(self, valid_dl, is_training: bool = True, is_intermediate: bool = False):
         """One evaluation epoch over ``valid_dl``."""
         loops.eval_epoch(self, valid_dl, is_training=is_training, is_intermediate=is_intermediate)
+
+    def _overridden_step_hooks(self, base) -> frozenset:
+        """The step hooks this trainer overrides, as the engines must take them (the graphed
+        engine zeroes gradients itself where ``optimizer_zero_grad`` is the default)."""
+        return overridden_hooks(self, base)
+
+    def _host_effects(self):
+        """What a step's Python leaves for the host that a graph replay must redo: nothing here
+        (the Lightning runner's ``self.log`` calls)."""
+        return NO_HOST_EFFECTS
 
     def _clip_for_update(self):
         """The callable that clips the gradients once per update (a subclass may add steps

@@ -28,6 +28,32 @@ STEP_HOOKS = (
 )
 
 
+class HostEffects:
+    """Python side effects of a step that a CUDA graph's replay does not redo, redone by the
+    graphed engine after each replay. A replay runs the kernels the capture recorded, never the
+    Python that issued them: whatever the step's Python leaves behind for the host (fasttrain.
+    lightning's ``self.log`` calls recorded inside a compiled step) is taken when the step is
+    captured and handed back after every replay. The default has none."""
+
+    def mark(self) -> object:
+        """Before a capture: where the effects of the captured step will start."""
+        return None
+
+    def taken_since(self, mark: object) -> object:
+        """After the capture: the effects since ``mark``, taken away (the replay that follows
+        the capture hands them back, like every replay)."""
+        return None
+
+    def redo(self, effects: object) -> None:
+        """After a replay: the captured step's effects again, with the replay's values."""
+
+    def discard(self, mark: object) -> None:
+        """After a capture that failed: drop what it left (it refers to nothing that ran)."""
+
+
+NO_HOST_EFFECTS = HostEffects()
+
+
 @dataclass(frozen=True)
 class StepContext:
     """Everything an engine needs, decided once at set-up.
@@ -58,6 +84,8 @@ class StepContext:
         (``nonfinite="skip"`` before its masked skip is armed): such an update cannot be captured.
     :param before_update_capture: called before a CUDA graph captures an update, outside the
         capture: builds what the capture cannot (the clipping kernels' chunk tables).
+    :param host_effects: the step's Python side effects that a graph replay must redo
+        (:class:`HostEffects`).
     """
 
     trainer: Any
@@ -74,6 +102,7 @@ class StepContext:
     update_read_host: Callable[[], bool] = lambda: False
     keeps_model_outputs: Callable[[str], bool] = lambda phase: True
     before_update_capture: Callable[[], None] = lambda: None
+    host_effects: HostEffects = NO_HOST_EFFECTS
 
     def overrides(self, hook: str) -> bool:
         """True when the trainer's class overrides the default hook ``hook``."""

@@ -334,17 +334,21 @@ class CudaGraphEngine(CompiledEngine):
         grads = [(p, p.grad) for p in params]
         if update:
             self.ctx.before_update_capture()
+        effects = self.ctx.host_effects
+        mark = effects.mark()
         try:
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
                 zero_grad = self._captured_zero_grad()
                 graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update, zero_grad))
+            taken = effects.taken_since(mark)  # raises where a replay could not redo them
             if any(p.grad is not grad for p, grad in grads):
                 raise _CaptureRefused(
                     "a hook replaced or removed gradient tensors during capture; call "
                     "zero_grad(set_to_none=False) in optimizer_zero_grad"
                 )
         except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
+            effects.discard(mark)
             if _is_control_flow(error):
                 raise
             references.restore()
@@ -355,6 +359,7 @@ class CudaGraphEngine(CompiledEngine):
         captured = graphs[update] = CapturedStep(
             graph, batch_output, norm, self._train_ring, tables, keep_model_outputs=self.ctx.keeps_model_outputs("train")
         )
+        captured.effects = taken
         del batch_output  # what the step keeps is in the CapturedStep
         captured.static = static
         captured.record = CaptureRecord(self.trainer.model, optimizer)
@@ -392,6 +397,7 @@ class CudaGraphEngine(CompiledEngine):
             hparams.sync()
         captured.static.load(batch)
         batch_output, norm = captured.replay()
+        self.ctx.host_effects.redo(captured.effects)
         if update:
             self.last_grad_norm = norm
             if self._grads.cleared and not self._own_zero_grad:
@@ -585,10 +591,11 @@ class CudaGraphEngine(CompiledEngine):
         self._eval_warm[signature] += 1
         return batch_output
 
-    @staticmethod
-    def _replay_eval(captured: CapturedStep, batch) -> dict:
+    def _replay_eval(self, captured: CapturedStep, batch) -> dict:
         captured.static.load(batch)
-        return captured.replay()[0]
+        batch_output = captured.replay()[0]
+        self.ctx.host_effects.redo(captured.effects)
+        return batch_output
 
     def _capture_eval(self, batch, signature, last: bool = False) -> dict:
         static = StaticBatch(batch)
@@ -603,15 +610,20 @@ class CudaGraphEngine(CompiledEngine):
             ring.record(batch_output, None)
             return batch_output
 
+        effects = self.ctx.host_effects
+        mark = effects.mark()
         try:
             graph, batch_output = self._capture(body)
+            taken = effects.taken_since(mark)  # raises where a replay could not redo them
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
+            effects.discard(mark)
             if _is_control_flow(error):
                 raise
             self._drop_eval_graphs()
             self._fall_back_eval(self._hook, describe_error(error), CompiledEngine)
             return self.eval_step(batch)
         captured = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
+        captured.effects = taken
         del batch_output  # what the step keeps is in the CapturedStep
         captured.static = static
         if last:

@@ -127,8 +127,12 @@ class StepRing:
         self.losses.reset()
         self.calls = 0
 
-    def record(self, batch_output: dict, norm: Optional[torch.Tensor]) -> None:
-        """Inside the graph: write this micro-step's values at the device-side slot."""
+    def record(self, batch_output, norm: Optional[torch.Tensor]) -> None:
+        """Inside the graph: write this micro-step's values at the device-side slot. A step
+        whose output is no dict with a ``loss`` (an evaluation step of a LightningModule, which
+        logs its values itself) has nothing to record."""
+        if not has_loss(batch_output):
+            return
         counters = self.losses.counters
         values = [norm, batch_output.get("num_items_in_batch"), batch_output.get("batch_size")]
         if any(isinstance(v, torch.Tensor) for v in values):
@@ -153,10 +157,28 @@ class StepRing:
         return calls % self.size
 
 
-class CapturedStep:
-    """One captured graph, the outputs it writes, and how to present them per replay."""
+def has_loss(batch_output) -> bool:
+    """Whether a step's output is a dict with a ``loss``, the form the trainer's hooks return."""
+    return isinstance(batch_output, dict) and "loss" in batch_output
 
-    def __init__(self, graph, batch_output: dict, norm: Optional[torch.Tensor], ring: StepRing, tables=(),
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class CapturedStep:
+    """One captured graph, the outputs it writes, and how to present them per replay.
+
+    A step whose output is no dict with a ``loss`` (a LightningModule's evaluation step returns
+    what it likes, often None) hands back a copy of its output after each replay: the graph
+    overwrites its outputs at the next replay, and what the step returned may be kept by whoever
+    receives it, as an eager step's fresh tensors can be."""
+
+    def __init__(self, graph, batch_output, norm: Optional[torch.Tensor], ring: StepRing, tables=(),
                  keep_model_outputs: bool = True):
         self.graph = graph
         self.ring = ring
@@ -168,6 +190,13 @@ class CapturedStep:
         self.record = None
         #: the :class:`StaticBatch` the graph reads its batch from; set by the engine
         self.static = None
+        #: the step's host side effects to redo after each replay (StepContext.host_effects)
+        self.effects = None
+        #: a step output of another form than the trainer's dict, handed back as a copy
+        self.plain_output = None if has_loss(batch_output) else pytree.tree_map(_detached, batch_output)
+        if self.plain_output is not None or batch_output is None:
+            self.batch_output, self.has_norm, self._ring_keys = None, False, []
+            return
         # outputs are read by callbacks before the next replay; detach so they do not pin the
         # autograd graph recorded at capture time. The model outputs (logits: often the largest
         # tensor of the step, upcast to fp32 under bf16) are kept only where a callback asks for
@@ -186,6 +215,8 @@ class CapturedStep:
 
     def replay(self) -> Tuple[dict, Optional[torch.Tensor]]:
         self.graph.replay()
+        if self.batch_output is None:
+            return pytree.tree_map(_copy, self.plain_output), None
         ring = self.ring
         slot = ring.next_slot()
         output = dict(self.batch_output)

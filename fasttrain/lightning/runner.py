@@ -18,6 +18,7 @@ from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
 from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.fast_log import step_logger
+from fasttrain.lightning.graph_logging import LoggedCalls
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -210,6 +211,17 @@ class ModuleRunner(FasttrainTrainer):
 
     def _clip_for_update(self):
         return self._clip_gradients
+
+    def _host_effects(self):
+        return LoggedCalls(self.lt)
+
+    def _overridden_step_hooks(self, base) -> frozenset:
+        hooks = super()._overridden_step_hooks(base)
+        if not self.lt._own_zero_grad:
+            # the module zeroes as LightningModule does: this hook is the default's (see
+            # optimizer_zero_grad), so the graphed engine may zero the gradients in place
+            hooks = hooks - {"optimizer_zero_grad"}
+        return hooks
 
     def _clip_gradients(self):
         lt = self.lt

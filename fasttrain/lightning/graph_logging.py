@@ -1,0 +1,121 @@
+"""``self.log`` inside a step that the graphed engine captures.
+
+Inside a compiled step, ``self.log`` only records the call (:meth:`ResultStore.log`): the values are
+graph outputs, filed by the loop after the step. A CUDA graph's replay runs the recorded kernels
+and none of that Python, so nothing would be recorded for a replayed step. :class:`LoggedCalls`
+takes the calls a step recorded while it was being captured and hands them back after every
+replay, each value a copy of what that replay wrote (the graph overwrites its outputs at the next
+replay; a value the loggers or callbacks hold must not change under them).
+
+Other Python side effects of a step cannot be redone: a replay would leave them out without an
+error. Lightning's documented way to gather a step's results for the epoch end,
+``self.validation_step_outputs.append(loss)``, is one; a step counter kept in an attribute is
+another. So a capture that changed the module's own attributes (a list, dict or set that grew or
+shrank, a number or another object bound anew) is refused, as is a torchmetrics ``Metric`` logged
+inside the step (its update keeps counters in Python): such a step runs compiled instead, and the
+engine's fallback warning names the attribute. What the refused capture did to those attributes is
+undone first (the step is run again on the fallback), so that a list gathering the step's results
+holds each step's once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fasttrain.engine.context import HostEffects
+
+#: where the logged value sits in a call that ResultStore.log recorded
+_VALUE = 2
+#: attributes fasttrain itself sets on the module around a step
+_OWN_ATTRIBUTES = frozenset({"_current_fx_name", "log", "_fasttrain_step_module"})
+_CONTAINERS = (list, dict, set)
+
+
+def _saved_attributes(module) -> dict:
+    """The module's attributes, with a shallow copy of each list, dict and set, to undo a step's
+    Python changes to them."""
+    return {
+        key: (value, copy.copy(value) if isinstance(value, _CONTAINERS) else None)
+        for key, value in module.__dict__.items()
+        if key not in _OWN_ATTRIBUTES
+    }
+
+
+def _restore_attributes(module, saved: dict) -> None:
+    state = module.__dict__
+    for key in [key for key in state if key not in _OWN_ATTRIBUTES and key not in saved]:
+        del state[key]
+    for key, (value, contents) in saved.items():
+        state[key] = value
+        if isinstance(value, list):
+            value[:] = contents
+        elif isinstance(value, (dict, set)):
+            value.clear()
+            value.update(contents)
+
+
+def _python_state(module) -> dict:
+    """What a step's Python could change on the module, host-only: each attribute's object and,
+    for a list, dict or set, its length."""
+    return {
+        key: (id(value), len(value) if isinstance(value, _CONTAINERS) else None)
+        for key, value in module.__dict__.items()
+        if key not in _OWN_ATTRIBUTES
+    }
+
+
+def _changed(before: dict, after: dict):
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) != after.get(key):
+            return key
+    return None
+
+
+class LoggedCalls(HostEffects):
+    """The ``self.log`` calls of the step being captured, redone after each replay of its graph."""
+
+    def __init__(self, lightning_trainer):
+        self.lt = lightning_trainer
+
+    def mark(self):
+        store = self.lt._results
+        module = self.lt.lightning_module
+        if store is None:
+            return None
+        return store, len(store.pending), module, _python_state(module), _saved_attributes(module)
+
+    def taken_since(self, mark):
+        if mark is None:
+            return None
+        store, start, module, state, _ = mark
+        calls = store.pending[start:]
+        del store.pending[start:]
+        changed = _changed(state, _python_state(module))
+        if changed is not None:
+            raise ValueError(
+                f"the step changed the module's attribute {changed!r} in Python (an append, a counter), "
+                "which a CUDA graph's replay would not do again"
+            )
+        if not calls:
+            return None
+        for call in calls:
+            if not isinstance(call[_VALUE], torch.Tensor):
+                raise ValueError(
+                    f"self.log({call[1]!r}, <{type(call[_VALUE]).__name__}>) inside {call[0]}: a logged "
+                    "torchmetrics Metric keeps counters in Python that a CUDA graph's replay does not advance"
+                )
+        return store, calls
+
+    def discard(self, mark) -> None:
+        if mark is not None:
+            store, start, module, _, saved = mark
+            del store.pending[start:]
+            _restore_attributes(module, saved)
+
+    def redo(self, effects) -> None:
+        if effects is None:
+            return
+        store, calls = effects
+        store.pending.extend((*call[:_VALUE], call[_VALUE].clone(), *call[_VALUE + 1:]) for call in calls)

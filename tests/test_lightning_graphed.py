@@ -1,0 +1,154 @@
+"""An unchanged LightningModule on the CUDA-graphed engine, its logic run on the CPU with the host
+stand-ins of test_engine_graph_logic (the same fit runs on a GPU in test_lightning_engines):
+Lightning's default zero-grad keeps the graphs, ``self.log`` in a replayed step is filed as if the
+step had run, and a logged torchmetrics Metric keeps the step off the graphs."""
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
+
+import torch  # noqa: E402
+
+from fasttrain.engine import ENGINES  # noqa: E402
+from fasttrain.lightning import Trainer  # noqa: E402
+from lightning_modules import (  # noqa: E402
+    QUIET,
+    Classifier,
+    assert_same_metrics,
+    assert_same_weights,
+    classification_data,
+    fit_both,
+    loader,
+    train_loader,
+)
+from test_engine_graph_logic import AOT, HostGraphEngine, host_graphs  # noqa: E402,F401
+
+
+def val_loader():
+    return loader(classification_data(n=16, seed=1), batch_size=8)
+
+
+class ReplaysRunNoPython(HostGraphEngine):
+    """The stand-in's replay runs the recorded step again; a real replay runs its kernels only,
+    none of the step's Python, and writes its outputs into the memory of the captured ones. So
+    the values a stand-in replay logs are written into the tensors the capture logged, and the
+    calls themselves dropped: the calls a real replay would leave out are left out."""
+
+    def _record(self, body):
+        lt = self.trainer.lt
+        stores = (lt._train_results, lt._val_results, lt._test_results)
+        before = [len(store.pending) for store in stores]
+        graph, outputs = super()._record(body)
+        captured = [store.pending[length:] for store, length in zip(stores, before)]
+        step = graph._body
+
+        def kernels_only():
+            lengths = [len(store.pending) for store in stores]
+            step()
+            for store, length, calls in zip(stores, lengths, captured):
+                for call, template in zip(store.pending[length:], calls):
+                    template[2].copy_(call[2])  # the value, into the captured value's memory
+                del store.pending[length:]
+
+        graph._body = kernels_only
+        return graph, outputs
+
+
+@pytest.fixture
+def graphed_engine(monkeypatch):
+    monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
+
+
+def _replays():
+    return sum(graph.replays for graph in HostGraphEngine.graphs)
+
+
+def test_the_graphed_engine_fits_a_default_module_as_lightning_does(graphed_engine):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lt, lm, ft, fm = fit_both(
+            Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=3),
+            fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+        )
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert ours == []
+    assert ft.engine == "cudagraph"
+    engine = ft._runner._engine
+    assert set(engine._train_graphs) == {True} and engine.active_eval_engine == "cudagraph"
+    assert not engine._grads.cleared and engine._own_zero_grad  # Lightning's default zeroing: in place
+    assert _replays() > 0
+    assert ft.global_step == lt.global_step == 18
+    assert_same_weights(lm, fm, atol=1e-5)
+    # the logged values of replayed steps (train_loss on step and epoch, max, validation means)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+
+
+class LogsAMetric(Classifier):
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.accuracy = MulticlassAccuracy(num_classes=3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.accuracy(logits, y)
+        self.log("train_acc", self.accuracy, on_step=False, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_a_logged_metric_keeps_the_step_off_the_graphs_with_one_warning(graphed_engine):
+    pytest.importorskip("torchmetrics")
+    lt, lm, ft, fm = fit_both(
+        LogsAMetric, train_loader, trainer_kwargs=dict(max_epochs=2),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    assert ft.engine == "compiled"
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(max_epochs=1, engine="cudagraph", compile_options=AOT, **QUIET).fit(LogsAMetric(), train_loader())
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert len(ours) == 1 and "torchmetrics Metric" in ours[0] and "'compiled'" in ours[0]
+
+
+class GathersOutputs(Classifier):
+    """Lightning's documented way to reduce a step's results at the epoch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.validation_step_outputs = []
+        self.epoch_means = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.validation_step_outputs.append(loss)
+        return loss
+
+    def on_validation_epoch_end(self):
+        self.epoch_means.append(torch.stack(self.validation_step_outputs).mean())
+        self.log("val_mean", self.epoch_means[-1])
+        self.validation_step_outputs.clear()
+
+
+def test_a_step_that_appends_to_a_module_attribute_is_not_replayed(graphed_engine):
+    lt, lm, ft, fm = fit_both(
+        GathersOutputs, train_loader, val_loader, trainer_kwargs=dict(max_epochs=3),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    engine = ft._runner._engine
+    assert ft.engine == "cudagraph" and engine.active_eval_engine == "compiled"
+    # every validation gathered all of its steps' losses, as under Lightning
+    assert len(fm.epoch_means) == len(lm.epoch_means)
+    for ours, theirs in zip(fm.epoch_means, lm.epoch_means):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert_same_weights(lm, fm, atol=1e-5)
