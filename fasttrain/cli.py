@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
         "readme",
         help="rewrite the README's benchmark tables from committed result files",
         description="Regenerate the tables between the '<!-- bench-table: FILE -->' and "
-        "'<!-- /bench-table -->' markers of a Markdown file from the JSON result files they name.",
+        "'<!-- /bench-table -->' markers of a Markdown file from the JSON result files they name, "
+        "and the sections between '<!-- result-section: FILE#HEADING -->' and "
+        "'<!-- /result-section -->' from the Markdown result files they name.",
         formatter_class=_HelpFormatter,
     )
     r.set_defaults(subparser=r)
