@@ -129,7 +129,7 @@ while [ $# -gt 0 ]; do
         --keep-scratch) KEEP_SCRATCH=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) [ -z "$DEST" ] || die "one output folder only (got '$DEST' and '$1')"; DEST=$1; shift ;;
     esac

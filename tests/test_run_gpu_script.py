@@ -144,6 +144,8 @@ def test_help_lists_the_options_and_parts():
     assert result.returncode == 0
     for word in ("--device", "--part", "--wheels", "--tiny", "OUT", "check-gpt", "bench-gpt", "--merge", "--dry-run", "all:"):
         assert word in result.stdout
+    # the whole header, to its last line
+    assert result.stdout.rstrip().endswith("set up (one line says what is missing).")
 
 
 @pytest.mark.parametrize(
