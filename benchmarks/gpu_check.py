@@ -20,7 +20,9 @@ fails (exit status 1) when
   reads of device values (``item``, ``tolist``, ...) are counted too, as the CPU's stand-in.
   Reads made inside a third-party model's own package (transformers' GPT-2 checks its attention
   mask with ``bool(tensor)`` in every eager forward) are shown apart and not held against the
-  budget: no engine but a compiled one can remove them.
+  budget: no engine but a compiled one can remove them. Each CUDA sync is attributed to the frame
+  that made it (``WarningLog``): the innermost frame outside the warnings machinery, the host-read
+  counter's wrapper and torch's own code.
 
 Writes ``check.json`` (every figure) and ``check.md`` (a table) to ``--out`` after each workload
 and precision, so a run stopped part-way keeps what finished.
@@ -104,6 +106,8 @@ class RunResult:
     host_reads_after_warmup: int = 0
     #: "method @ file:line" of each host read after warm-up
     host_read_sites: Dict[str, int] = field(default_factory=dict)
+    #: "file:line" of the frame that made each CUDA sync after warm-up (CUDA only)
+    cuda_sync_sites: Dict[str, int] = field(default_factory=dict)
     cuda_syncs_after_warmup: Optional[int] = None
     #: host reads and CUDA syncs made by the model's own code (a third-party model, such as
     #: transformers' GPT-2 checking its attention mask): no engine but a compiled one removes
@@ -116,11 +120,65 @@ class RunResult:
     seconds: float = 0.0
 
 
+#: modules whose frames only pass a warning on: the warnings machinery and the host-read
+#: counter's wrapper around the Tensor methods (on CUDA, torch's C++ sync check warns from inside
+#: that wrapper, so the warning's own ``filename`` names fasttrain/bench/counters.py)
+_PASSING_ON = ("warnings", "_py_warnings", "fasttrain.bench.counters")
+
+
+def _made_by(frame) -> str:
+    """``file:line`` of the frame that made a warning: the innermost one that is neither the
+    warnings machinery, the sync counter's wrapper nor torch's own code (torch acting for its
+    caller: the engine's step, or a model's forward). '' when no such frame exists."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module not in _PASSING_ON and module != "torch" and not module.startswith("torch."):
+            return f"{os.path.abspath(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+class WarningLog:
+    """Records every warning raised inside it, as ``warnings.catch_warnings(record=True)`` does
+    (``records``), and beside each the frame that made it (``makers``, see :func:`_made_by`), so
+    that CUDA syncs made in a third-party model's own code are told from the trainer's: the
+    warning's ``filename`` is the innermost Python frame, which for a sync inside a counted
+    Tensor method is the counter's wrapper, whoever called it."""
+
+    def __init__(self):
+        self.records: List[warnings.WarningMessage] = []
+        self.makers: List[str] = []
+        self._context = None
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        self.records.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+        # frame 1 is the warnings module's dispatch; the walk skips it
+        self.makers.append(_made_by(sys._getframe(1)))
+
+    def __enter__(self) -> "WarningLog":
+        self._context = warnings.catch_warnings(record=True)
+        self._context.__enter__()
+        warnings.simplefilter("always")
+        # the documented hook: catch_warnings puts the previous one back on exit
+        warnings.showwarning = self._show
+        return self
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def syncs(self) -> List[str]:
+        """The makers of the CUDA sync warnings recorded so far."""
+        return [maker for w, maker in zip(self.records, self.makers) if _is_sync_warning(w)]
+
+
 class _Probe(TrainerCallback):
     """Keeps each micro-step's loss on the device (a copy: graphed engines hand out ring views that
     are reused after a flush) and marks the end of the warm-up epoch in the counters."""
 
-    def __init__(self, sync_counter: SyncCounter, caught: list, recompiles: RecompileCounter,
+    def __init__(self, sync_counter: SyncCounter, caught: WarningLog, recompiles: RecompileCounter,
                  model_dir: Optional[str] = None):
         self.losses: List[torch.Tensor] = []
         self._model_dir = model_dir
@@ -130,6 +188,7 @@ class _Probe(TrainerCallback):
         self._sync_counter, self._caught, self._recompiles = sync_counter, caught, recompiles
         self.marks: Dict[str, tuple] = {}
         self.sites: Dict[str, Counter] = {}
+        self.cuda_sites: Dict[str, Counter] = {}
 
     def on_train_step_end(self, trainer, batch, batch_output, **kwargs):
         self.losses.append(batch_output["loss"].detach().clone())
@@ -149,14 +208,15 @@ class _Probe(TrainerCallback):
 
     def _mark(self, name: str) -> None:
         self._recompiles.update()
-        syncs = [w for w in self._caught if _is_sync_warning(w)]
-        model_cuda = sum(1 for w in syncs if self._in_model(w.filename))
+        syncs = self._caught.syncs()
+        model_cuda = sum(1 for maker in syncs if maker and self._in_model(maker.rsplit(":", 1)[0]))
         model_reads = sum(n for (_, site), n in self._sync_counter.by_site.items() if self._in_model(site.rsplit(":", 1)[0]))
         self.marks[name] = (
             self.steps, self._sync_counter.count - model_reads, len(syncs) - model_cuda, self._recompiles.recompiles,
             self.flushes, self.epoch_ends, model_reads, model_cuda,
         )
         self.sites[name] = Counter(self._sync_counter.by_site)
+        self.cuda_sites[name] = Counter(syncs)
 
     def on_training_run_epoch_end(self, trainer, **kwargs):
         if trainer.run_history.current_epoch == 1:
@@ -217,8 +277,7 @@ def train_once(
     result = RunResult(name, precision, engine)
     # accelerate keeps one precision per process; each run chooses its own
     AcceleratorState._reset_state()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with WarningLog() as caught:
         trainer = Trainer(
             model,
             wl.loss_func,
@@ -274,6 +333,7 @@ def train_once(
     result.host_reads_after_warmup = end[1] - warm[1]
     result.host_read_sites = {f"{m} @ {site}": n for (m, site), n in (probe.sites["end"] - probe.sites["warm"]).items()}
     result.cuda_syncs_after_warmup = end[2] - warm[2] if device.type == "cuda" else None
+    result.cuda_sync_sites = dict(probe.cuda_sites["end"] - probe.cuda_sites["warm"])
     result.recompiles_after_warmup = end[3] - warm[3]
     result.flushes_after_warmup = end[4] - warm[4]
     result.epoch_ends_after_warmup = end[5] - warm[5]

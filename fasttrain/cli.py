@@ -12,6 +12,7 @@ import datetime
 import os
 import shlex
 import sys
+import time
 from typing import List, Optional
 
 from fasttrain._version import __version__
@@ -102,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps run before the measured ones in every training call (default: see --steps)")
     b.add_argument("--repeats", type=_positive_int, default=None,
                    help="interleaved repeats per peer (default: see --steps)")
+    b.add_argument("--time-limit", type=_positive_float, default=None, metavar="SECONDS",
+                   help="end within SECONDS of the process's start: after the first peer's set-up the "
+                   "repeats, then the steps and warm-up, are cut so the step work takes at most 40%% of "
+                   "the time left (the rest is for compiling); a peer whose set-up does not fit is "
+                   "skipped; only the repeats that fit run; the limit itself stops the run as Ctrl-C "
+                   "does (fasttrain/bench/time_limit.py)")
     b.add_argument("--peers", default=None,
                    help=f"comma-separated subset of: {', '.join(PEERS)} (default: all; bare is always run)")
     b.add_argument("--out", default=None,
@@ -133,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         "readme",
         help="rewrite the README's benchmark tables from committed result files",
         description="Regenerate the tables between the '<!-- bench-table: FILE -->' and "
-        "'<!-- /bench-table -->' markers of a Markdown file from the JSON result files they name.",
+        "'<!-- /bench-table -->' markers of a Markdown file from the JSON result files they name, "
+        "and the sections between '<!-- result-section: FILE#HEADING -->' and "
+        "'<!-- /result-section -->' from the Markdown result files they name.",
         formatter_class=_HelpFormatter,
     )
     r.set_defaults(subparser=r)
@@ -148,6 +157,10 @@ def _out_dir(args, device: str, size: str) -> str:
         return args.out
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join("bench_out", f"{args.workload}-{size}-{device}-{stamp}")
+
+
+#: when the command started: ``--time-limit`` counts from here (set by :func:`main`)
+_STARTED = time.monotonic()
 
 
 def _estimate(first, warmup: int, steps: int, repeats: int, num_peers: int) -> Optional[str]:
@@ -234,9 +247,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
             if line:
                 print(line, file=sys.stderr, flush=True)
 
+    time_limit = None
+    if args.time_limit is not None:
+        from fasttrain.bench.time_limit import TimeLimit
+
+        time_limit = TimeLimit(args.time_limit, start=_STARTED)
     bench = run_benchmark(
         workload, peer_names, steps=steps, warmup=warmup, repeats=repeats,
         progress=not args.no_progress, settings=settings, clock=clock, on_setup=on_setup,
+        time_limit=time_limit,
     )
     rows = summarize(bench, peak_flops=peak)
     print(f"device: {environment['device_name']} · torch {environment['torch']} · "
@@ -247,9 +266,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
     if "png" not in paths and not _has_matplotlib():
         print("no chart: matplotlib is not installed; pip install 'fasttrain[plot]' to get a PNG")
     if bench.interrupted:
-        print(f"interrupted: kept the {bench.completed_repeats} repeat(s) every peer completed; "
-              "the repeat in progress was discarded")
-        return 130  # the shell's status for a run ended by SIGINT
+        stopped_by = bench.settings.get("stopped_by")
+        print(f"interrupted ({stopped_by}): kept the {bench.completed_repeats} repeat(s) every peer "
+              "completed; the repeat in progress was discarded")
+        if stopped_by == "time limit":
+            return 0 if bench.completed_repeats else 1
+        # the shell's status for a run ended by the signal: 130 for SIGINT, 143 for SIGTERM
+        return 143 if stopped_by == "SIGTERM" else 130
+    if time_limit is not None and not bench.completed_repeats:
+        return 1
     return 0
 
 
@@ -276,7 +301,24 @@ def _readme(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _process_started() -> float:
+    """The ``time.monotonic()`` reading at which this process started, where Linux says (the
+    interpreter's start-up and the imports count against ``--time-limit``); else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            # the fields after the command name, which may itself hold spaces
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        elapsed = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - max(0.0, elapsed)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    global _STARTED
+    _STARTED = _process_started() if argv is None else time.monotonic()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

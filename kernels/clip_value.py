@@ -11,8 +11,9 @@ never reset here.
 
 Launch plan: one program per chunk of one tensor, through the cached chunk table that
 ``clip_norm`` uses too (``_multi_tensor``: program id -> address, length, dtype). Traffic: reads
-``N`` bytes, and writes only the elements that actually change (masked stores), so a typical step
-where few values exceed the limit writes almost nothing; torch's foreach path reads and writes
+``N`` bytes, and writes only the elements whose stored value changes (masked stores, compared in
+the gradient's dtype, where a clamped value rounds to the limit's nearest representable number), so
+a typical step where few values exceed the limit writes almost nothing; torch's foreach path reads and writes
 ``N`` twice (clamp_min, then clamp_max).
 """
 from typing import List, Optional, Sequence, Union
@@ -30,11 +31,16 @@ if triton is not None:
     @triton.jit
     def _clamp_block(p, x, inside, bad, lo, hi, MASKED: tl.constexpr):
         # Comparisons with NaN are false, so NaN lanes are neither changed nor stored; only
-        # lanes that change are written. `bad` is a per-lane "saw a non-finite value" flag that
-        # the kernel reduces once.
+        # lanes whose stored value changes are written. "Changes" is decided in the gradient's
+        # dtype: in fp16/bf16 the limit rounds to the nearest representable value, which can lie
+        # outside [lo, hi] (bf16(1e-4) > 1e-4), so a lane clamped by an earlier call is still
+        # "outside" in fp32 and would be rewritten, unchanged, on every call. `bad` is a per-lane
+        # "saw a non-finite value" flag that the kernel reduces once.
         y = tl.where(x < lo, lo, x)
         y = tl.where(y > hi, hi, y)
-        tl.store(p, y.to(p.dtype.element_ty), mask=inside & ((x < lo) | (x > hi)))
+        out = y.to(p.dtype.element_ty)
+        changed = ((x < lo) | (x > hi)) & (out.to(tl.float32) != x)
+        tl.store(p, out, mask=inside & changed)
         return tl.maximum(bad, ((x != x) | (tl.abs(x) > 3.4028234663852886e38)).to(tl.int32))
 
     @triton.jit

@@ -3,7 +3,9 @@
 Run as a script (``python tests/kernel_codegen.py``) in a process where ``TRITON_INTERPRET`` is
 unset: it prints one JSON object mapping ``<kernel>/aligned`` and ``<kernel>/unaligned`` to the
 number of each global load/store instruction in the PTX (``ld.global.v4.b32``: a 16-byte vector
-load). Triton's compiler and its bundled ``ptxas`` run on any machine; nothing is launched.
+load), and ``copy/<dtype>`` to the same counts for the kernel benchmarks' bandwidth baseline
+(benchmarks/kernels/copy_baseline.py). Triton's compiler and its bundled ``ptxas`` run on any
+machine; nothing is launched.
 """
 import json
 import os
@@ -56,7 +58,42 @@ def memory_ops(target_arch: int = 90) -> dict:
             for op in re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*", compiled.asm["ptx"]):
                 counts[op] = counts.get(op, 0) + 1
             result[f"{name}/{'aligned' if aligned else 'unaligned'}"] = counts
+    result.update(copy_baseline_ops(target))
     return result
+
+
+def copy_baseline_ops(target) -> dict:
+    """The benchmarks' copy kernel, typed by its pointers: one compile per dtype. Its pointer
+    arguments carry the 16-byte divisibility Triton's launcher gives every 16-byte aligned tensor
+    (all of the caching allocator's)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "kernels"))
+    import copy_baseline
+    from fasttrain.kernels._multi_tensor import DEFAULT_BLOCK, DEFAULT_CHUNK, NUM_WARPS
+
+    result = {}
+    for dtype in ("fp32", "bf16"):
+        compiled = triton.compile(
+            ASTSource(
+                fn=copy_baseline._copy_kernel,
+                signature={"src": f"*{dtype}", "dst": f"*{dtype}", "n": "i64", "CHUNK": "constexpr", "BLOCK": "constexpr"},
+                constexprs={"CHUNK": DEFAULT_CHUNK, "BLOCK": DEFAULT_BLOCK},
+                attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},
+            ),
+            target=target,
+            options={"num_warps": NUM_WARPS},
+        )
+        result[f"copy/{dtype}"] = _count(compiled.asm["ptx"])
+    return result
+
+
+def _count(ptx: str) -> dict:
+    counts = {}
+    for op in re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*", ptx):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
 
 
 if __name__ == "__main__":

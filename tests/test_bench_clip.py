@@ -15,8 +15,11 @@ def test_cpu_run_checks_and_reports_every_case(tmp_path):
     assert B.main(["--device", "cpu", "--tiny", "--dtypes", "fp32", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "bench_clip.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| gpt2-tiny") or line.startswith("| 50 small")]
-    # per set: copy, then fused and torch for each case; value clipping on the GPT-2 set only
-    assert len(rows) == (1 + 6) + (1 + 4)
+    # per set: the baseline copy and torch's copy_, then fused and torch for each case; value
+    # clipping on the GPT-2 set only
+    assert len(rows) == (2 + 6) + (2 + 4)
+    baseline = [line for line in rows if "copy (" in line]
+    assert len(baseline) == 2 and all("the kernels' launch plan | fp32 | triton |" in line and "| 100% |" in line for line in baseline)
     assert "CPU run: correctness and host time only" in text
 
 

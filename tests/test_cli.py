@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fasttrain import __version__
-from fasttrain.bench.readme import render_table, rewrite_tables
+from fasttrain.bench.readme import ReadmeTableError, render_table, rewrite_tables
 from fasttrain.bench.report import format_markdown, format_table, summarize
 from fasttrain.bench.runner import BenchResult, PeerResult
 from fasttrain.bench.workloads import make_workload
@@ -123,6 +123,31 @@ def test_readme_table_from_result_file(tmp_path):
     # per-repeat ratios bare/peer: 0.5, 0.5, 0.5238 -> median 0.50 [0.50-0.52]
     assert "| fasttrain-cudagraph (ran compiled) | 47.6 [41.7-50] | 0.50 [0.50-0.52] | n/a |" in table
     assert "| bare | 90.9 [83.3-100] | 1.00 [1.00-1.00] |" in table
+
+
+def test_readme_section_quoted_verbatim_from_a_markdown_result_file(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "gpu.md").write_text(
+        "# run\n\n- device: X\n\n## Engine checks\n\n| a | b |\n|---|---|\n| 1.82e-06 | 0.2710 |\n\n"
+        "### failed\n\n- one\n\n## Loss gathering\n\nother\n"
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- result-section: results/gpu.md#Engine checks -->\nstale\n<!-- /result-section -->\nend\n")
+    assert rewrite_tables(str(readme), check=True) == ["results/gpu.md#Engine checks"]
+    assert rewrite_tables(str(readme)) == ["results/gpu.md#Engine checks"]
+    # everything under the heading down to the next level-2 heading, deeper headings included
+    assert readme.read_text() == (
+        "intro\n<!-- result-section: results/gpu.md#Engine checks -->\n| a | b |\n|---|---|\n| 1.82e-06 | 0.2710 |\n\n"
+        "### failed\n\n- one\n<!-- /result-section -->\nend\n"
+    )
+    assert rewrite_tables(str(readme), check=True) == []
+    readme.write_text("<!-- result-section: results/gpu.md#Kernels -->\n<!-- /result-section -->\n")
+    with pytest.raises(ReadmeTableError, match="no '## Kernels' section; its sections: Engine checks, Loss gathering"):
+        rewrite_tables(str(readme))
+    readme.write_text("<!-- result-section: results/none.md#Kernels -->\n<!-- /result-section -->\n")
+    with pytest.raises(ReadmeTableError, match="names results/none.md, which does not exist"):
+        rewrite_tables(str(readme))
 
 
 def test_committed_readme_matches_its_result_files():

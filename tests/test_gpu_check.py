@@ -155,3 +155,49 @@ def test_size_table_can_be_chosen(capsys):
     with pytest.raises(SystemExit):
         G.parse_args(["--device", "cpu", "--sizes", "huge"])
     assert "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_cuda_syncs_are_attributed_to_the_frame_that_made_them(tmp_path, monkeypatch):
+    """On CUDA, torch's C++ sync check warns from inside the Tensor method, and the innermost
+    Python frame is the host-read counter's wrapper: the warning's ``filename`` names
+    fasttrain/bench/counters.py whoever read, so transformers' 32 attention-mask syncs per eager
+    hf-gpt2 run were held against the budget. Here a C function that warns (``warnings.warn``
+    through ``functools.partial``: no Python frame of its own) stands in for that check."""
+    import functools
+    import warnings
+
+    from fasttrain.bench.counters import RecompileCounter, SyncCounter
+
+    package = tmp_path / "thirdparty_model"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "modeling.py").write_text("def check_mask(mask):\n    return mask.item()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from thirdparty_model import modeling
+
+    sync_check = functools.partial(warnings.warn, "called a synchronizing CUDA operation", UserWarning, 1)
+    monkeypatch.setattr(torch.Tensor, "item", sync_check)
+    mask = torch.ones(1)
+    counter, recompiles = SyncCounter(cuda=False), RecompileCounter()
+    with G.WarningLog() as log, counter, recompiles:
+        probe = G._Probe(counter, log, recompiles, str(package))
+        probe._mark("warm")
+        for _ in range(3):
+            modeling.check_mask(mask)  # the model's own read
+        mask.item()  # the trainer's (this file's) read
+        warnings.warn("a fallback, not a sync")
+        probe._mark("end")
+    # the warning itself names the wrapper, for the model's reads and the trainer's alike
+    assert {os.path.basename(w.filename) for w in log if "synchroniz" in str(w.message)} == {"counters.py"}
+    warm, end = probe.marks["warm"], probe.marks["end"]
+    cuda, model_cuda = end[2] - warm[2], end[7] - warm[7]
+    reads, model_reads = end[1] - warm[1], end[6] - warm[6]
+    assert (cuda, model_cuda) == (1, 3) and (reads, model_reads) == (1, 3)
+    sites = probe.cuda_sites["end"] - probe.cuda_sites["warm"]
+    assert sites == {f"{package / 'modeling.py'}:2": 3, f"{os.path.abspath(__file__)}:{_line_of('mask.item()  # the trainer')}": 1}
+    assert len(log.records) == 5 and str(log.records[-1].message) == "a fallback, not a sync"
+
+
+def _line_of(text):
+    lines = open(__file__).read().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line and "_line_of" not in line)

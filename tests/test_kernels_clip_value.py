@@ -150,3 +150,64 @@ def test_gpu_cuda_graph_capture_and_replay():
     K.clip_grad_value_reference(expected, 0.5)
     _assert_equal(grads, expected)
     assert found.item() == 1.0
+
+
+def _lanes_written(monkeypatch, dtype):
+    """Counts the lanes the interpreter stores into tensors of ``dtype`` (the gradients, not the
+    fp32 ``found_inf`` flag) while the test runs."""
+    from triton.runtime import interpreter
+
+    written = {"n": 0}
+    original = interpreter.InterpreterBuilder.create_masked_store
+
+    def counting(self, ptrs, value, mask, *args, **kwargs):
+        if value.dtype.scalar == dtype:
+            written["n"] += int(mask.data.sum())
+        return original(self, ptrs, value, mask, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", counting)
+    return written
+
+
+@C.requires_interpreter
+def test_triton_second_call_writes_nothing_where_the_limit_rounds_outward(monkeypatch):
+    """In fp16 and bf16 the clamped value is the limit rounded to the gradient's dtype, which can
+    lie outside the limit (fp16(1e-4) and bf16(1e-4) are both above 1e-4). Deciding "this lane
+    changes" in fp32 then rewrote every clamped element on every call, so a steady state never
+    came (bf16 on an H200: 0.271 ms against fp32's 0.129 ms for half the bytes). The interpreter
+    mishandles bf16 loads, so fp16, which rounds 1e-4 up too, stands in for it here."""
+    import triton.language as tl
+
+    assert float(torch.tensor(1e-4, dtype=torch.float16)) > 1e-4
+    grads = C.make_grads(C.SHAPE_CASES["mixed"], torch.float16, scale=1e-4)
+    K.clip_grad_value_triton(grads, 1e-4, **C.SMALL_LAUNCH)
+    expected = C.clone_all(grads)
+    K.clip_grad_value_reference(expected, 1e-4)
+    _assert_equal(grads, expected)  # a second clamp by torch changes nothing either
+    written = _lanes_written(monkeypatch, tl.float16)
+    found = torch.zeros(1)
+    K.clip_grad_value_triton(grads, 1e-4, found_inf=found, **C.SMALL_LAUNCH)
+    _assert_equal(grads, expected)
+    assert written["n"] == 0 and found.item() == 0.0
+    # the count sees real stores: a gradient pushed past the limit is written, lane by lane
+    grads[0][:3] = expected[0][:3] = 1.0
+    K.clip_grad_value_triton(grads, 1e-4, **C.SMALL_LAUNCH)
+    K.clip_grad_value_reference(expected, 1e-4)
+    assert written["n"] == 3
+    _assert_equal(grads, expected)
+
+
+@pytest.mark.gpu
+@C.requires_triton_gpu
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp16"])
+def test_gpu_limit_that_rounds_outward_matches_torch(dtype_name):
+    # bf16(1e-4) and fp16(1e-4) lie above 1e-4: the first call stores the rounded limit, the
+    # second finds nothing to change; both match torch's clamp exactly
+    grads = C.gpu_grads(dtype_name, "finite", [(50257, 77)], scale=1e-4)
+    expected = C.clone_all(grads)
+    for _ in range(2):
+        found = torch.zeros(1, device="cuda")
+        K.clip_grad_value_(grads, 1e-4, found_inf=found)
+        K.clip_grad_value_reference(expected, 1e-4)
+        _assert_equal(grads, expected)
+        assert found.item() == 0.0

@@ -84,3 +84,16 @@ def test_clamp_stores_only_lanes_that_change(ops):
     clamp = ops["clamp/aligned"]
     assert clamp.get("st.global.v4.b32", 0) == 0
     assert clamp.get("st.global.b16", 0) > 0 and clamp.get("st.global.b32", 0) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bandwidth_baseline_moves_full_blocks_16_bytes_at_a_time_like_the_kernels(ops, dtype):
+    # benchmarks/kernels/copy_baseline.py: "% of copy bandwidth" divides by this kernel's
+    # figure, so it must move its bytes as the kernels do, bf16 as well as fp32
+    copy = ops[f"copy/{'fp32' if dtype == torch.float32 else 'bf16'}"]
+    per_thread = BLOCK // (32 * NUM_WARPS)
+    vectors = per_thread * torch.empty((), dtype=dtype).element_size() // 16
+    assert copy.get("ld.global.v4.b32", 0) == copy.get("st.global.v4.b32", 0) == vectors
+    scalar = "b32" if dtype == torch.float32 else "b16"
+    # only the masked tail moves one element per instruction
+    assert copy.get(f"ld.global.{scalar}", 0) == copy.get(f"st.global.{scalar}", 0) == per_thread

@@ -66,11 +66,86 @@ def test_every_part_ends_well_inside_nine_minutes_when_every_step_times_out():
         assert worst <= 8.5 * 60, (part, worst)
 
 
+def _all_schedule():
+    """--part all's slots from the script's source: [(reserved, [[(step, limit), ...] per lane])]."""
+    text = open(SCRIPT).read()
+    block = text[text.index("ALL_SCHEDULE='") + len("ALL_SCHEDULE='"):]
+    block = block[: block.index("'")]
+    slots = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        reserved = line.startswith("#")
+        lanes = [[(item.split("=")[0], int(item.split("=")[1])) for item in lane.split()]
+                 for lane in line.lstrip("#").split("|")]
+        slots.append((reserved, lanes))
+    scalar = {k: int(v) for k, v in re.findall(
+        r"^(ALL_BUDGET_S|SETUP_LIMIT_S|KILL_AFTER_S|COLLECT_S|FIRST_COLLECT_S|BENCH_MARGIN_S)=(\d+)$", text, re.M)}
+    return slots, scalar
+
+
+def test_part_all_fits_nine_minutes_with_the_reserved_step_as_its_gpu_schedule_shows():
+    """One device session has 15 minutes, machine start included, and 10 per command: --part all
+    must end within 9 minutes from cold caches even when every step runs out of its time, with
+    room kept for one more bench step. The CPU mode shows the GPU run's schedule."""
+    slots, scalar = _all_schedule()
+    result = _sh("--part", "all", "--device", "cpu", "--gpu-sizes", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("== schedule of --part all: each step's limit on CUDA")
+    shown = {m.group(1).strip(): int(m.group(2)) for m in (re.match(r"^   (.+?)\s+(\d+) s$", l) for l in lines) if m}
+    per_step = scalar["KILL_AFTER_S"] + scalar["COLLECT_S"]
+    worst = scalar["SETUP_LIMIT_S"] + scalar["KILL_AFTER_S"] + scalar["FIRST_COLLECT_S"]
+    assert shown[f"set-up={scalar['SETUP_LIMIT_S']}"] == worst
+    for reserved, lanes in slots:
+        # side by side, a slot takes its longest lane
+        slot = max(sum(limit + per_step for _, limit in lane) for lane in lanes)
+        label = " | ".join(" ".join(f"{n}={l}" for n, l in lane) for lane in lanes)
+        assert shown[("reserved: " if reserved else "") + label] == slot, label
+        worst += slot
+    assert worst <= scalar["ALL_BUDGET_S"] == 9 * 60
+    assert f"worst case (every step out of time, killed after {scalar['KILL_AFTER_S']} s, " in result.stdout
+    assert result.stdout.count(f": {worst} s of 540 s") == 1
+    # the correctness checks run beside pytest; the reserved slot waits for its bench step
+    first = slots[0][1]
+    assert [n for n, _ in first[0]] == ["pytest-gpu"] and {n for n, _ in first[1]} == {"check-mlp", "check-hf-gpt2"}
+    assert [lanes for reserved, lanes in slots if reserved] == [[[("bench-overhead", 60)]]]
+    # every bench is told its limit (3x on this CPU) less the margin, and the GPU run's sizes
+    commands = {line.split(" (limit ")[0]: line for line in lines if " (limit " in line}
+    assert set(commands) == {n for reserved, lanes in slots if not reserved for lane in lanes for n, _ in lane}
+    for reserved, lanes in slots:
+        for name, limit in (item for lane in lanes for item in lane):
+            if reserved or name in ("bench-clip", "bench-loss-accum") or not name.startswith("bench-"):
+                continue
+            assert f"--time-limit {3 * limit - scalar['BENCH_MARGIN_S']}" in commands[name]
+    assert "--size 124m --batch-size 16 --precision bf16" in commands["bench-hf-gpt2"]
+    assert "--peers bare,compiled-model,fasttrain-compiled,fasttrain-cudagraph " in commands["bench-hf-gpt2"]
+    assert "--sizes cuda" in commands["check-hf-gpt2"]
+
+
+def test_taking_the_reserved_slot_is_a_one_line_change(tmp_path):
+    text = open(SCRIPT).read()
+    assert text.count("\n#bench-overhead=60\n") == 1
+    script = tmp_path / "run_gpu.sh"
+    script.write_text(text.replace("\n#bench-overhead=60\n", "\nbench-overhead=60\n"))
+    # the script runs from the repository it lies in: give the copy the benchmarks folder's place
+    (tmp_path / "benchmarks").mkdir()
+    os.replace(script, tmp_path / "benchmarks" / "run_gpu.sh")
+    result = subprocess.run(["bash", str(tmp_path / "benchmarks" / "run_gpu.sh"), "--part", "all", "--dry-run"],
+                            capture_output=True, text=True, timeout=60, env=_env())
+    assert result.returncode == 0, result.stderr
+    assert "reserved:" not in result.stdout
+    line = next(l for l in result.stdout.splitlines() if l.startswith("bench-overhead (limit 60s): "))
+    assert "bench --device cuda" in line and "--workload overhead" in line and "--time-limit 52" in line
+
+
 def test_help_lists_the_options_and_parts():
     result = _sh("--help")
     assert result.returncode == 0
-    for word in ("--device", "--part", "--wheels", "--tiny", "OUT", "check-gpt", "bench-gpt", "--merge"):
+    for word in ("--device", "--part", "--wheels", "--tiny", "OUT", "check-gpt", "bench-gpt", "--merge", "--dry-run", "all:"):
         assert word in result.stdout
+    # the whole header, to its last line
+    assert result.stdout.rstrip().endswith("set up (one line says what is missing).")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,11 @@ wrote (path relative to the Markdown file)::
 tests) fails when a table no longer matches its file, so the README cannot drift from the
 measurement it quotes. Every row the run printed appears, in the run's order.
 
+Result files that are Markdown (a GPU run's, ``benchmarks/results/<date>-<gpu>.md``) are quoted
+by section: between ``<!-- result-section: FILE#HEADING -->`` and ``<!-- /result-section -->``
+stands, verbatim, what FILE holds under its ``## HEADING`` line, up to its next heading of level
+1 or 2.
+
 Ratios are taken per repeat: the repeats are interleaved, so repeat r of every peer ran under
 the same machine conditions, and ``bare_time[r] / peer_time[r]`` is a paired measurement. The
 table gives their median with the minimum and maximum, and says how many repeats there were.
@@ -30,6 +35,13 @@ from fasttrain.bench.runner import peer_label
 
 _BLOCK = re.compile(
     r"(?P<open><!-- bench-table: (?P<path>[^\s]+) -->\n)(?P<body>.*?)(?P<close><!-- /bench-table -->)",
+    re.DOTALL,
+)
+
+
+_SECTION = re.compile(
+    r"(?P<open><!-- result-section: (?P<path>[^\s#]+)#(?P<heading>[^\n]+?) -->\n)(?P<body>.*?)"
+    r"(?P<close><!-- /result-section -->)",
     re.DOTALL,
 )
 
@@ -97,14 +109,39 @@ def _load(markdown_path: str, source: str) -> Dict[str, object]:
     return data
 
 
+def section_text(markdown_path: str, source: str, heading: str) -> str:
+    """What the Markdown result file ``source`` holds under its ``## heading`` line, up to its
+    next heading of level 1 or 2, verbatim but for blank lines at either end."""
+    path = os.path.join(os.path.dirname(os.path.abspath(markdown_path)), source)
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ReadmeTableError(f"{markdown_path}: the section marker names {source}, which does not exist") from None
+    headings = [line[3:].strip() for line in lines if line.startswith("## ")]
+    if heading not in headings:
+        raise ReadmeTableError(
+            f"{source} has no '## {heading}' section; its sections: {', '.join(headings) or 'none'}"
+        )
+    start = next(i for i, line in enumerate(lines) if line.startswith("## ") and line[3:].strip() == heading) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith(("# ", "## "))), len(lines))
+    body = lines[start:end]
+    while body and not body[0].strip():
+        body.pop(0)
+    while body and not body[-1].strip():
+        body.pop()
+    return "\n".join(body) + "\n"
+
+
 def rewrite_tables(markdown_path: str, check: bool = False) -> List[str]:
-    """Regenerate every marked table of ``markdown_path``; returns the result files whose table
-    changed (with ``check``, nothing is written)."""
+    """Regenerate every marked table and quoted section of ``markdown_path``; returns the result
+    files whose table or section changed (with ``check``, nothing is written)."""
     with open(markdown_path) as f:
         text = f.read()
-    if not _BLOCK.search(text):
+    if not _BLOCK.search(text) and not _SECTION.search(text):
         raise ReadmeTableError(
-            f"{markdown_path} has no '<!-- bench-table: FILE -->' ... '<!-- /bench-table -->' section"
+            f"{markdown_path} has no '<!-- bench-table: FILE -->' ... '<!-- /bench-table -->' section "
+            "and no '<!-- result-section: FILE#HEADING -->' ... '<!-- /result-section -->' one"
         )
     changed: List[str] = []
 
@@ -115,7 +152,14 @@ def rewrite_tables(markdown_path: str, check: bool = False) -> List[str]:
             changed.append(source)
         return match.group("open") + body + match.group("close")
 
-    new_text = _BLOCK.sub(replace, text)
+    def quote(match: re.Match) -> str:
+        source, heading = match.group("path"), match.group("heading")
+        body = section_text(markdown_path, source, heading)
+        if body != match.group("body"):
+            changed.append(f"{source}#{heading}")
+        return match.group("open") + body + match.group("close")
+
+    new_text = _SECTION.sub(quote, _BLOCK.sub(replace, text))
     if changed and not check:
         with open(markdown_path, "w") as f:
             f.write(new_text)

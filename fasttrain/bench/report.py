@@ -92,7 +92,8 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
         if p.status != "ok" or rates:
             status, reason = p.status, p.reason
         elif bench.interrupted and not bench.completed_repeats:
-            status, reason = "interrupted", "Ctrl-C before the first repeat completed"
+            stopped_by = bench.settings.get("stopped_by") or "Ctrl-C"
+            status, reason = "interrupted", f"{stopped_by} before the first repeat completed"
         else:
             status, reason = "failed", "every repeat was shorter than timer noise; raise --steps"
         row.update(
@@ -195,7 +196,8 @@ def table_rows(rows: List[Dict[str, object]]) -> List[List[str]]:
 def _title(bench: BenchResult) -> str:
     wl, s = bench.workload, bench.settings
     if bench.interrupted:
-        repeats = f"INTERRUPTED after {bench.completed_repeats} of {s['repeats']} repeats"
+        by = s.get("stopped_by")
+        repeats = f"INTERRUPTED{f' ({by})' if by and by != 'SIGINT' else ''} after {bench.completed_repeats} of {s['repeats']} repeats"
     else:
         repeats = f"{s['repeats']} repeats"
     return (
@@ -213,8 +215,9 @@ _MEMORY_MEANING = {
 }
 
 
-def _notes(rows: List[Dict[str, object]]) -> List[str]:
+def _notes(rows: List[Dict[str, object]], bench: Optional[BenchResult] = None) -> List[str]:
     lines = [f"* {_label(r)}: {r['notes']}" for r in rows if r["status"] == "ok" and r["notes"]]
+    lines += list(bench.settings.get("time_limit_notes") or []) if bench is not None else []
     lines.append(
         "syncs/step: host reads of device values per step (.item(), .tolist(), bool(), float(), "
         ".cpu(), ...) outside PyTorch itself; '(n cuda)': synchronising CUDA operations reported "
@@ -239,7 +242,7 @@ def format_table(bench: BenchResult, rows: List[Dict[str, object]]) -> str:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines += _notes(rows)
+    lines += _notes(rows, bench)
     return "\n".join(lines)
 
 
@@ -248,7 +251,7 @@ def format_markdown(bench: BenchResult, rows: List[Dict[str, object]]) -> str:
     lines = [f"**{_title(bench)}**", "", "| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
     for row in cells[1:]:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in row) + " |")
-    lines += [""] + _notes(rows)
+    lines += [""] + _notes(rows, bench)
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,10 @@ Counting. Host syncs and recompiles are counted in separate, untimed runs after 
 counter patches tensor methods and would slow the loops it counts), with the same difference of
 two runs, so the per-call costs such as an epoch-end loss read drop out. Recompiles are also
 counted over every timed run, since they cost nothing to read.
+
+Stopping. SIGINT and SIGTERM (a scheduler's or ``timeout``'s end) stop the run at once: the repeat
+in progress is dropped for every peer and what completed is returned. With a time limit
+(time_limit.py) the run is sized to end inside it, and its end stops the run the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 
 from fasttrain.bench.counters import RecompileCounter, SyncCounter
 from fasttrain.bench.peers import PeerUnavailable, device_sync, make_peer
+from fasttrain.bench.time_limit import REPEAT_MARGIN, PEER_SPREAD, TimeLimit, fit_schedule, steps_that_fit
 from fasttrain.bench.workloads import Workload
 from fasttrain.hardware import GpuSampler
 
@@ -75,6 +80,10 @@ class PeerResult:
     engine: Optional[str] = None
     #: why the engine asked for did not run (the fallback warning), when it did not.
     engine_fallback: Optional[str] = None
+    #: seconds of the untimed counting pair after warm-up, ``run(W)`` and ``run(W + N)``, and
+    #: the steps it ran (``2W + N``): what a timed repeat of this peer will take
+    pair_s: Optional[float] = None
+    pair_steps: Optional[int] = None
 
     @property
     def label(self) -> str:
@@ -110,41 +119,79 @@ class BenchResult:
 
 
 class BenchInterrupted(Exception):
-    """Ctrl-C reached a peer's run; that run is discarded."""
+    """Ctrl-C (or SIGTERM, or the time limit's end) reached a peer's run; that run is discarded."""
+
+
+class SetupOverran(Exception):
+    """A peer's set-up ran past the time a time limit left for it; the peer is skipped."""
 
 
 class _CtrlC:
-    """Turns SIGINT into a prompt stop of the benchmark, whatever the peers do with it.
+    """Turns SIGINT and SIGTERM into a prompt stop of the benchmark, whatever the peers do with
+    them, and SIGALRM into the time limit's stops.
 
-    Peers handle SIGINT their own ways: fasttrain's trainer finishes the step and returns from
-    ``train()`` (the peer then raises ``KeyboardInterrupt``), Lightning catches
+    Peers handle the signals their own ways: fasttrain's trainer finishes the step and returns
+    from ``train()`` (the peer then raises ``KeyboardInterrupt``), Lightning catches
     ``KeyboardInterrupt``, ignores SIGINT from then on and calls ``exit(1)``. The runner keeps
-    its own handler, records that the signal came and puts the handler back after every peer
+    its own handlers, records that a signal came and puts the handlers back after every peer
     call, so a run cut short by any of them is recognised and thrown away rather than timed.
+    The alarm (:meth:`arm`) either ends a set-up that ran past its time (``"setup"``: the peer is
+    skipped, the run goes on) or ends the run as SIGINT does (``"end"``).
     """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.received = False
-        self._previous = None
+        #: what stopped the run: "SIGINT", "SIGTERM" or "time limit" (None: a peer's own handler)
+        self.stopped_by: Optional[str] = None
+        self.setup_overran = False
+        self._alarm_kind: Optional[str] = None
+        self._previous: Dict[int, object] = {}
         self._installed = False
         self._in_peer_call = False
 
     def _handle(self, signum, frame):
         self.received = True
+        self.stopped_by = self.stopped_by or signal.Signals(signum).name
         # inside a peer's run the exception stops it at once; between runs (the runner's own
         # bookkeeping) the flag is enough: the next guard raises before starting anything
         if self._in_peer_call:
             raise KeyboardInterrupt
 
+    def _alarm(self, signum, frame):
+        if self._alarm_kind == "setup":
+            self.setup_overran = True
+        else:
+            self.received = True
+            self.stopped_by = self.stopped_by or "time limit"
+        if self._in_peer_call:
+            raise KeyboardInterrupt
+
+    def arm(self, seconds: float, kind: str) -> None:
+        """Raise the alarm ``kind`` ("setup" or "end") after ``seconds`` (at once when none are left)."""
+        if self._installed:
+            self._alarm_kind = kind
+            signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+
+    def disarm(self) -> None:
+        if self._installed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            self._alarm_kind = None
+
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._alarm)
             self._installed = True
         return self
 
     def reinstall(self) -> None:
         if self._installed:
-            signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                signal.signal(signum, self._handle)
+            signal.signal(signal.SIGALRM, self._alarm)
 
     @contextlib.contextmanager
     def guard(self):
@@ -155,8 +202,12 @@ class _CtrlC:
         try:
             yield
         except KeyboardInterrupt:
+            if self.setup_overran:
+                raise SetupOverran from None
             raise BenchInterrupted from None
         except SystemExit:
+            if self.setup_overran:
+                raise SetupOverran from None
             if not self.received:
                 raise
             raise BenchInterrupted from None
@@ -168,7 +219,9 @@ class _CtrlC:
 
     def __exit__(self, *exc):
         if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
+            self.disarm()
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
             self._installed = False
 
 
@@ -254,10 +307,12 @@ def _setup_peer(peer, result: PeerResult, warmup: int, steps: int, count_syncs: 
             if count_syncs:
                 on_gpu = wl.device.type == "cuda"
                 with RecompileCounter() as rc:
+                    t1 = time.perf_counter()
                     with SyncCounter(skip_cpu_tensors=on_gpu) as short:
                         peer.run(warmup)
                     with SyncCounter(skip_cpu_tensors=on_gpu) as long:
                         peer.run(warmup + steps)
+                    result.pair_s, result.pair_steps = time.perf_counter() - t1, 2 * warmup + steps
                 result.host_syncs_per_step = (long.count - short.count) / steps
                 if long.cuda_syncs is not None:
                     result.cuda_syncs_per_step = (long.cuda_syncs - short.cuda_syncs) / steps
@@ -326,6 +381,13 @@ def _merge_gpu(summaries: List[Dict[str, object]]) -> Dict[str, object]:
     return out
 
 
+def _pair_seconds(result: PeerResult, warmup: int, steps: int) -> Optional[float]:
+    """What a timed pair of this peer takes at ``warmup``/``steps``, from its counting pair."""
+    if not result.pair_s or not result.pair_steps:
+        return None
+    return result.pair_s * (2 * warmup + steps) / result.pair_steps
+
+
 def run_benchmark(
     workload: Workload,
     peer_names: List[str],
@@ -338,16 +400,20 @@ def run_benchmark(
     settings: Optional[Dict[str, object]] = None,
     clock: str = "wall",
     on_setup: Optional[Callable[[PeerResult, int, int, int, int], None]] = None,
+    time_limit: Optional[TimeLimit] = None,
 ) -> BenchResult:
     """Set up every peer, then time ``repeats`` interleaved rounds. ``on_setup`` is called after
     each peer is set up (the command line prints its time estimate from the first one). Ctrl-C
-    stops at once: the round it cut short is discarded and the result says ``interrupted``."""
+    or SIGTERM stops at once: the round it cut short is discarded and the result says
+    ``interrupted``. With ``time_limit`` the run is sized to end inside it (time_limit.py)."""
     if steps < 1 or warmup < 1 or repeats < 1:
         raise ValueError("steps, warmup and repeats must each be at least 1")
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, not {clock!r}")
     if clock == "cpu" and workload.device.type != "cpu":
         raise ValueError("the cpu clock cannot see GPU work; use the wall clock on CUDA")
+    if time_limit is not None and not count_syncs:
+        raise ValueError("a time limit needs the counting runs (count_syncs=True): they time each peer's steps")
     clock_fn = CLOCKS[clock]
     from tqdm.auto import tqdm
 
@@ -362,19 +428,41 @@ def run_benchmark(
     interrupted = False
     completed = 0
     sampler = None
+    ctrl_c = _CtrlC()
     try:
-        with _CtrlC() as ctrl_c:
+        with ctrl_c:
             try:
+                skipped = None  # why the remaining peers are not set up (the time limit)
                 for name in peer_names:
+                    res = results[name]
+                    if skipped is not None:
+                        res.status, res.reason = "skipped", skipped
+                        bar.update(1)
+                        continue
+                    if time_limit is not None:
+                        # this set-up may use the time left less one repeat of every peer so far
+                        # and of this one (at the spread of the first peer's step time)
+                        pairs = [_pair_seconds(results[n], warmup, steps) or 0.0 for n in peers]
+                        room = time_limit.repeat_room(pairs + [PEER_SPREAD * max(pairs, default=0.0)])
+                        if room <= 0:
+                            skipped = "not set up: the time limit left no room for it (--time-limit)"
+                            res.status, res.reason = "skipped", skipped
+                            bar.update(1)
+                            continue
+                        ctrl_c.arm(room, "setup")
                     bar.set_postfix_str(f"setup {name}")
                     peer = make_peer(name, workload)
-                    res = results[name]
                     try:
                         with ctrl_c.guard(), quiet():
                             _setup_peer(peer, res, warmup, steps, count_syncs)
                         peers[name] = peer
+                    except SetupOverran:
+                        skipped = "not set up: the time limit left no room for it (--time-limit)"
+                        res.status = "skipped"
+                        res.reason = f"its set-up ran past the {room:.0f} s the time limit left for it (--time-limit)"
+                        peer.close()
                     except BenchInterrupted:
-                        res.status, res.reason = "interrupted", "Ctrl-C during its set-up"
+                        res.status, res.reason = "interrupted", f"{ctrl_c.stopped_by or 'Ctrl-C'} during its set-up"
                         peer.close()
                         raise
                     except PeerUnavailable as exc:
@@ -382,15 +470,56 @@ def run_benchmark(
                         peer.close()
                     except Exception as exc:  # a peer that cannot be built is reported, not fatal
                         res.status, res.reason = "unavailable", _first_line(exc)
+                        if ctrl_c.setup_overran:
+                            # the alarm's exception surfaced as another (a CUDA graph capture
+                            # cut short fails on its way out)
+                            skipped = "not set up: the time limit left no room for it (--time-limit)"
+                            res.status = "skipped"
+                            res.reason = f"its set-up ran past the {room:.0f} s the time limit left for it (--time-limit)"
                         peer.close()
+                    finally:
+                        ctrl_c.disarm()
+                        ctrl_c.setup_overran = False
                     gc.collect()
                     bar.update(1)
+                    if time_limit is not None and list(peers) == [name]:
+                        # the first peer set up: size the run from its steady step time
+                        per_step = res.pair_s / res.pair_steps
+                        fitted = fit_schedule(per_step, len(peer_names), time_limit.left(), steps, warmup, repeats)
+                        if fitted != (steps, warmup, repeats):
+                            time_limit.note(
+                                f"--time-limit {time_limit.seconds:g} s: {fitted[0]} steps after {fitted[1]} "
+                                f"warm-up, {fitted[2]} repeat(s) (asked {steps}, {warmup}, {repeats}), from the "
+                                f"{name} loop's {per_step * 1000:.3g} ms per step"
+                            )
+                            steps, warmup, repeats = fitted
                     if on_setup is not None and name in peers:
                         on_setup(res, warmup, steps, repeats, len(peer_names))
 
                 sampler = GpuSampler(workload.device) if gpu_metrics else None
                 gpu_summaries: Dict[str, List[Dict[str, object]]] = {n: [] for n in peers}
+                if time_limit is not None:
+                    ctrl_c.arm(time_limit.left(), "end")
+                last_repeat_s = None
                 for repeat in range(repeats):
+                    if time_limit is not None and peers:
+                        pairs = [(results[n].pair_s, results[n].pair_steps) for n in peers]
+                        expected = last_repeat_s or sum(_pair_seconds(results[n], warmup, steps) for n in peers)
+                        if time_limit.left() < REPEAT_MARGIN * expected:
+                            if completed:
+                                time_limit.note(
+                                    f"--time-limit {time_limit.seconds:g} s: stopped after {completed} of "
+                                    f"{repeats} repeats, another would not fit in the time left"
+                                )
+                                repeats = completed
+                                break
+                            fit = steps_that_fit(pairs, warmup, steps, time_limit.left())
+                            time_limit.note(
+                                f"--time-limit {time_limit.seconds:g} s: {fit} measured steps instead of "
+                                f"{steps}, so that one repeat fits in the time left"
+                            )
+                            steps = fit
+                    started = time.perf_counter()
                     # a repeat counts only once every peer has run it: an interrupted one is
                     # dropped whole, so all peers keep the same number of interleaved repeats
                     this_repeat: Dict[str, float] = {}
@@ -429,8 +558,11 @@ def run_benchmark(
                         else:
                             results[name].invalid_repeats += 1
                     completed = repeat + 1
+                    last_repeat_s = time.perf_counter() - started
             except BenchInterrupted:
                 interrupted = True
+            finally:
+                ctrl_c.disarm()
         if sampler is not None:
             sampler.close()
             for name, summaries in gpu_summaries.items():
@@ -441,6 +573,12 @@ def run_benchmark(
             peer.close()
     all_settings = {"steps": steps, "warmup": warmup, "repeats": repeats, "peers": peer_names, "clock": clock}
     all_settings.update(settings or {})
+    if time_limit is not None:
+        all_settings["time_limit"] = time_limit.seconds
+        all_settings["time_limit_notes"] = list(time_limit.notes)
+    if interrupted:
+        # None: a trainer's own handler took the signal (fasttrain's finishes its step and returns)
+        all_settings["stopped_by"] = ctrl_c.stopped_by or "a stop signal"
     return BenchResult(
         workload=workload.describe(), settings=all_settings, peers=[results[n] for n in peer_names],
         interrupted=interrupted, completed_repeats=completed,
