@@ -39,6 +39,7 @@ from fasttrain.lightning.hooks import (
     merge_module_callbacks,
     module_overrides,
 )
+from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.runner import ModuleRunner
@@ -437,6 +438,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
     lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
     lt._restarting = False
+    lt.fit_loop._resume = None
     lt._scaler_state = None
     clip_value = clip_norm = None
     # the clipping Trainer(gradient_clip_val=...) asks for is done by LightningModule's own
@@ -573,9 +575,9 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, w
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     choice = (ckpt_path, model is not None, lt._module is not None)
+    lt.predict_loop.return_predictions = return_predictions
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
-    predictions = handle_errors(lt, functools.partial(_predict, lt, dataloaders, choice, weights_only))
-    return None if return_predictions is False else predictions
+    return handle_errors(lt, functools.partial(_predict, lt, dataloaders, choice, weights_only))
 
 
 def _predict(lt, dataloaders, choice, weights_only) -> list:
@@ -587,7 +589,7 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    loaders = [_process_loader(lt, dl, RunningStage.PREDICTING) for dl in loaders]
+    loaders = [index_predict_loader(_process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
     lt._predict_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)

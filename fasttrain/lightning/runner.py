@@ -170,8 +170,12 @@ class ModuleRunner(FasttrainTrainer):
         if self.window_start and lt._own_zero_grad:
             # Lightning clears gradients before the first backward of a window
             optimizer = lt.optimizers[0]
+            counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+            counts.increment_ready()
             hooks("on_before_zero_grad", optimizer)
+            counts.increment_started()
             hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
+            counts.increment_completed()
         if lt._plain_backward_hooks:
             super().backward_step(loss)
         else:
@@ -188,11 +192,14 @@ class ModuleRunner(FasttrainTrainer):
         # module's own zero-grad hooks, when it has them, do so in backward_step)
         clear = self.window_start and not lt._own_zero_grad
         optimizer = lt.optimizers[0]
+        counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
 
         def closure():
             if clear:
                 optimizer.zero_grad()
             batch_output = self.calculate_train_batch_loss(batch)
+            if clear:
+                counts.increment_by(1)  # Lightning counts its zero_grad after the training step
             self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output
             return batch_output["loss"]

@@ -31,7 +31,7 @@ from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
-from fasttrain.lightning.loops import FitLoopState
+from fasttrain.lightning.loop_objects import LoopProperties
 from fasttrain.lightning.progress import EpochProgress
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
@@ -54,13 +54,17 @@ def _stage_flag(stage: RunningStage) -> property:
     return property(get, set)
 
 
-class Trainer:
+class Trainer(LoopProperties):
     """Lightning's ``Trainer`` arguments (those fasttrain honours; any other is an error naming
     it) plus fasttrain's keyword options ``engine`` (``"auto"``, ``"eager"``, ``"compiled"``,
     ``"cudagraph"``), ``compile_options`` and ``nonfinite`` (default ``"ignore"``, as Lightning)."""
 
     def __init__(self, **kwargs):
         args = self._args = parse_arguments(kwargs)
+        self.state = TrainerState()
+        self._module = None
+        self.num_training_batches = float("inf")  # until a fit loads its training data, as in Lightning
+        self._build_loops()
         # max_epochs stays None until a fit decides 1000 or -1, as in Lightning
         self.max_epochs, self.max_steps = args.max_epochs, args.max_steps
         self.min_epochs, self.min_steps = args.min_epochs, args.min_steps
@@ -105,7 +109,6 @@ class Trainer:
         self.profiler = PassThroughProfiler()
         self.precision_plugin = Precision()
         self.strategy = Strategy(self)
-        self.state = TrainerState()
         self.should_stop = False
         self.received_sigterm = False
         self._logger_connector = LoggerConnector(self)
@@ -114,9 +117,6 @@ class Trainer:
         self._val_results = ResultStore(training=False)
         self._test_results = ResultStore(training=False)
         self._active_eval_results = None
-        self.fit_loop = FitLoopState()
-        self._global_step = 0
-        self._module = None
         self._runner: Optional[ModuleRunner] = None
         self.datamodule = None
         self.optimizers: list = []
@@ -124,8 +124,6 @@ class Trainer:
         #: the checkpoint the last run loaded (None: none), or the one set through trainer.ckpt_path
         self._ckpt_path = None
         self._ckpt_path_user_managed = False
-        #: a fit resumed inside an epoch (or limited by max_steps): no sanity check, as in Lightning
-        self._restarting = False
         #: loads the fit's training data when something reads the estimate before the fit
         #: loads it (configure_optimizers); None once loaded
         self._load_train_data = None
@@ -139,7 +137,6 @@ class Trainer:
         self._predict_loaders: list = []
         self._eval_step_name = "validation_step"
         self._eval_dataloader_idx = None
-        self.num_training_batches = 0
         self._hooks: Optional[HookCaller] = None
         #: whether the attached module defines validation_step (decided when a run attaches it)
         self._has_val_step = False
@@ -179,14 +176,6 @@ class Trainer:
     @property
     def model(self):
         return self._module
-
-    @property
-    def current_epoch(self) -> int:
-        return self.fit_loop.epoch_progress.current.completed
-
-    @property
-    def global_step(self) -> int:
-        return self._global_step
 
     # the running stage, as Lightning keeps it: trainer.state.stage, which these flags set and
     # read (identity tests: read by self.log on every call)
@@ -375,10 +364,6 @@ class Trainer:
         return {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[self._args.mixed_precision]
 
     @property
-    def is_last_batch(self) -> bool:
-        return bool(self.fit_loop.epoch_loop.batch_progress.is_last_batch)
-
-    @property
     def interrupted(self) -> bool:
         return self.state.status == TrainerStatus.INTERRUPTED
 
@@ -454,8 +439,10 @@ class Trainer:
         strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, strategy) for o in self.optimizers]
         module = self._module
         if module is not None and not module.automatic_optimization:
+            counts = self.fit_loop.epoch_loop.manual_optimization
             for lightning_optimizer in strategy._lightning_optimizers:
-                lightning_optimizer._on_after_step = self._manual_optimizer_stepped
+                lightning_optimizer._on_before_step = counts.step_starting
+                lightning_optimizer._on_after_step = counts.step_done
 
     # ------------------------------------------------------------------ loop support
     def _scaler(self):
@@ -499,7 +486,10 @@ class Trainer:
                         )
                     warnings.warn(f"ReduceLROnPlateau monitors {config.monitor!r}, not logged: skipped", RuntimeWarning)
                     continue
+            counts = self.fit_loop.epoch_loop.scheduler_progress
+            counts.increment_ready()
             self._hooks.module_hook("lr_scheduler_step", config.scheduler, monitor_value)
+            counts.increment_completed()
 
     def _manual_step(self, batch, batch_idx: int) -> dict:
         runner = self._runner
@@ -509,9 +499,6 @@ class Trainer:
         if isinstance(output, dict):
             return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
         return {}
-
-    def _manual_optimizer_stepped(self) -> None:
-        self._global_step += 1
 
     def _epoch_end_metrics_ready(self) -> None:
         # the last batch's step values stay in callback_metrics, as Lightning's per-batch update leaves them
