@@ -43,6 +43,7 @@ from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.runner import ModuleRunner
+from fasttrain.lightning.strategy import check_launch
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -261,32 +262,6 @@ def _choose_engine(lt, requested: str, device) -> str:
     return target
 
 
-def _check_devices(lt, processes: int) -> None:
-    """``devices`` (per node) times ``num_nodes`` must be the launch's process count: fasttrain
-    starts no processes itself, torchrun (or accelerate launch) does, on every node."""
-    devices, nodes = lt._args.devices, lt.num_nodes
-    if devices in ("auto", -1, "-1"):
-        if processes % nodes == 0 and processes >= nodes:
-            return
-        wanted = None
-    else:
-        wanted = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
-        if wanted * nodes == processes:
-            return
-    per_node = wanted or 1
-    if nodes == 1:
-        raise ValueError(
-            f"devices={devices!r} but this run has {processes} process(es): fasttrain starts no processes itself; "
-            f"launch {per_node} with `accelerate launch --num_processes {per_node}` or `torchrun --nproc_per_node "
-            f"{per_node}`, or leave devices='auto'"
-        )
-    raise ValueError(
-        f"num_nodes={nodes} and devices={devices!r} but this run has {processes} process(es): fasttrain starts no "
-        f"processes itself; on each of the {nodes} nodes launch `torchrun --nnodes {nodes} --nproc_per_node "
-        f"{per_node} ...` (or `accelerate launch --num_machines {nodes} --num_processes {per_node * nodes}`)"
-    )
-
-
 def _runner(lt, engine: str) -> ModuleRunner:
     """The run's ModuleRunner, built before the set-up hooks: building its Accelerator starts the
     process group on the first run, so that ``prepare_data``, ``setup``, ``configure_model`` and
@@ -298,7 +273,7 @@ def _runner(lt, engine: str) -> ModuleRunner:
         mixed_precision=args.mixed_precision, compile_options=args.compile_options, nonfinite=args.nonfinite,
         handle_signals=False,
     )
-    _check_devices(lt, runner._accelerator.num_processes)
+    check_launch(lt, runner._accelerator.num_processes)
     lt._runner = runner
     lt._device = runner.device
     return runner

@@ -24,6 +24,7 @@ from lightning.pytorch.loops.progress import (
     _SchedulerProgress,
 )
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader
 
@@ -129,8 +130,16 @@ class PredictionLoop(_Loop):
 
     @return_predictions.setter
     def return_predictions(self, return_predictions: Optional[bool] = None) -> None:
-        # fasttrain never spawns processes, so predictions can always be returned
-        self._return_predictions = True if return_predictions is None else return_predictions
+        # Lightning's rule for the strategies that spawn or fork their processes (ddp_spawn,
+        # ddp_notebook, ...), kept for them although fasttrain runs such a strategy in the launched
+        # processes: the predictions are not returned by default, and asking for them is its error
+        supported = getattr(self.trainer.strategy, "_start_method", "popen") not in ("spawn", "fork", "forkserver")
+        if return_predictions and not supported:
+            raise MisconfigurationException(
+                "`return_predictions` should be set to `False` when using the strategies that spawn or fork."
+                f" Found {return_predictions} with strategy {type(self.trainer.strategy)}."
+            )
+        self._return_predictions = supported if return_predictions is None else return_predictions
 
     @property
     def predictions(self) -> list:

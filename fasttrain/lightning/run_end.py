@@ -48,6 +48,8 @@ def interrupt(lt, error: BaseException) -> None:
     dm = lt.datamodule
     if dm is not None and callable(dm.on_exception):
         dm.on_exception(error)
+    # Lightning's DDPStrategy adds what to do to DDP's error about parameters without gradients
+    lt.strategy.on_exception(error)
     for logger in lt.loggers:
         logger.finalize("failed")
 

@@ -36,12 +36,7 @@ class ModuleRunner(FasttrainTrainer):
 
     # ------------------------------------------------------------------ setup
     def _create_accelerator(self) -> Accelerator:
-        kwargs = {}
-        if self.lt._args.strategy == "fsdp":
-            from accelerate.utils import FullyShardedDataParallelPlugin
-
-            # FSDP2: the Trainer refuses FSDP1, accelerate's default version
-            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
+        kwargs = self.lt._args.strategy.accelerator_kwargs()  # DDP's options, FSDP2's plugin
         return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.registry import _load_external_callbacks
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, Timer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
@@ -35,7 +36,7 @@ from fasttrain.lightning.loop_objects import LoopProperties
 from fasttrain.lightning.progress import EpochProgress
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
-from fasttrain.lightning.strategy import Strategy
+from fasttrain.lightning.strategy import build_strategy, device_ids
 
 
 def _stage_flag(stage: RunningStage) -> property:
@@ -90,7 +91,8 @@ class Trainer(LoopProperties):
         self.log_every_n_steps = args.log_every_n_steps
         self.default_root_dir = args.default_root_dir
         self.enable_autolog_hparams = args.enable_autolog_hparams
-        self._force_cpu = args.accelerator == "cpu"
+        device = args.strategy.device  # SingleDeviceStrategy(device=...)
+        self._force_cpu = args.accelerator == "cpu" or (device is not None and device.type == "cpu")
         if args.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=args.deterministic == "warn")
         self.callbacks = self._build_callbacks(args)
@@ -108,7 +110,9 @@ class Trainer(LoopProperties):
         self._reload_train_data = self._reload_val_data = None
         self.profiler = PassThroughProfiler()
         self.precision_plugin = Precision()
-        self.strategy = Strategy(self)
+        #: Lightning's accelerator object for the run's device (isinstance checks, device stats)
+        self.accelerator = CPUAccelerator() if planned_device(self).type == "cpu" else CUDAAccelerator()
+        self.strategy = build_strategy(self, args.strategy, self.accelerator)
         self.should_stop = False
         self.received_sigterm = False
         self._logger_connector = LoggerConnector(self)
@@ -211,7 +215,7 @@ class Trainer(LoopProperties):
 
     @property
     def num_devices(self) -> int:
-        return self.world_size
+        return len(self.device_ids)
 
     @property
     def ckpt_path(self):
@@ -343,20 +347,15 @@ class Trainer(LoopProperties):
 
     @property
     def device_ids(self) -> list:
-        """The device indices of this node, as Lightning lists them: ``[0]`` on the CPU, the
-        launch's local GPU indices on CUDA (one per process: fasttrain runs a device per process)."""
-        per_node = max(self.world_size // self.num_nodes, 1)
-        if per_node == 1:
-            device = self._device if self._runner is not None else _planned_device(self)
-            return [device.index or 0]
-        return list(range(per_node))
+        """The device indices of this node, as Lightning lists them (see strategy.device_ids)."""
+        return device_ids(self)
 
     @contextlib.contextmanager
     def init_module(self, empty_init: Optional[bool] = None):
         """Lightning's ``with trainer.init_module():``: tensors the block creates go straight to
         the device the run will use (``empty_init`` is accepted; the weights are initialised
         either way, as under Lightning's single-device strategies)."""
-        with torch.device(_planned_device(self)):
+        with torch.device(planned_device(self)):
             yield
 
     @property
@@ -533,7 +532,7 @@ class Trainer(LoopProperties):
         ]
 
 
-def _planned_device(trainer) -> torch.device:
+def planned_device(trainer) -> torch.device:
     """The device a run of ``trainer`` trains on, before a run has placed anything."""
     if trainer._force_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
