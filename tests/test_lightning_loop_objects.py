@@ -161,8 +161,11 @@ class _SeveralLoaders(Classifier):
 
 
 def test_counters_of_validate_test_and_predict_like_lightning():
-    hooks = ("on_validation_batch_start", "on_validation_batch_end", "on_validation_end", "on_test_batch_start",
-             "on_test_batch_end", "on_test_end", "on_predict_batch_start", "on_predict_batch_end", "on_predict_end")
+    hooks = ("setup", "teardown", "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+             "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end", "on_test_start",
+             "on_test_epoch_start", "on_test_batch_start", "on_test_batch_end", "on_test_epoch_end", "on_test_end",
+             "on_predict_start", "on_predict_epoch_start", "on_predict_batch_start", "on_predict_batch_end",
+             "on_predict_epoch_end", "on_predict_end")
 
     def action(trainer):
         recorder = _Recorder(hooks)

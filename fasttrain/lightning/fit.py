@@ -85,6 +85,9 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
         datamodule.trainer = lt
     lt.state.fn = fn
     lt.state.status = TrainerStatus.RUNNING
+    # the run's stage from its first hook (setup) to its last (teardown), as Lightning sets it
+    lt.state.stage = {TrainerFn.FITTING: RunningStage.TRAINING, TrainerFn.VALIDATING: RunningStage.VALIDATING,
+                      TrainerFn.TESTING: RunningStage.TESTING, TrainerFn.PREDICTING: RunningStage.PREDICTING}[fn]
     lt.should_stop = False
     lt._load_train_data = None
     # before the hooks are resolved, so the module's callbacks get every hook of this run
@@ -451,6 +454,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     finally:
         lt._load_train_data = None
     lt.training = True  # on_fit_end and teardown run in the training stage, as in Lightning
+    lt.strategy.teardown()
     hooks("on_fit_end")
     teardown(lt, TrainerFn.FITTING)
     lt.training = False
@@ -542,6 +546,7 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
     logged = run_evaluation(lt, runner, stage)
+    lt.strategy.teardown()
     teardown(lt, fn)
     return logged
 
@@ -570,5 +575,6 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])
     predictions = run_predict(lt, runner, loaders)
+    lt.strategy.teardown()
     teardown(lt, TrainerFn.PREDICTING)
     return predictions

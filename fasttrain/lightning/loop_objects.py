@@ -466,8 +466,10 @@ class LoopProperties:
 
     @property
     def num_sanity_val_batches(self) -> list:
-        """The batches the sanity check takes from each validation loader."""
-        return [min(self.num_sanity_val_steps, batches) for batches in self.num_val_batches]
+        """The batches the sanity check takes from each validation loader (known once the fit's
+        validation loop has counted its loaders, as in Lightning)."""
+        counted = self.fit_loop.epoch_loop.val_loop._max_batches
+        return [min(self.num_sanity_val_steps, batches) for batches in counted]
 
     @property
     def _restarting(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.utilities import move_data_to_device
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
 
@@ -133,7 +134,9 @@ def run_fit(lt, runner) -> None:
         results = lt._train_results
         progress = lt._progress
         progress.start_epoch(epoch, num_batches)
-        # a fit resumed inside an epoch continues that epoch without a new start (Lightning's rule)
+        # a fit resumed inside an epoch continues it without a new start (Lightning's rule), from
+        # the batch it stopped at, on a fresh iterator: the epoch takes the loader's first
+        # remaining-count batches, as Lightning's does
         first = state.begin_epoch(lambda: hooks("on_train_epoch_start"), num_batches, k)
         if epoch_loop.restarting and not state._resumed_after_validation and _should_validate(
             lt, first - 1, batches.is_last_batch
@@ -145,8 +148,6 @@ def run_fit(lt, runner) -> None:
             epoch_loop.val_loop.pass_over(lt.num_val_batches)
         if iterator is None:
             iterator = iter(loader)  # later epochs: after on_train_epoch_start, as in Lightning
-        # a mid-epoch resume counts on from the batch it stopped at, on a fresh iterator: the
-        # epoch takes the loader's first remaining-count batches, as Lightning's does
         # no batch is requested past the epoch's last: a sampler run to its end draws from the
         # loader's generator once more, which Lightning's fetcher never does for a loader with a
         # length, so the next epochs' shuffles would differ. An epoch of unknown length takes a
@@ -323,6 +324,10 @@ def _reload_due(lt, last_epoch) -> bool:
 def _load_deferred_val(lt) -> None:
     load, lt._load_val_later = lt._load_val_later, None
     load()
+    # the validation loop counts its loaders when it requests them, as Lightning's does
+    lt.fit_loop.epoch_loop.val_loop._max_batches = [
+        num_batches(RunningStage.VALIDATING, loader, lt.limit_val_batches) for loader in lt._val_loaders
+    ]
 
 
 def _should_validate(lt, batch_idx: int, last: bool) -> bool:
@@ -437,7 +442,7 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     else:
         for m, training in zip(module.modules(), mode):
             m.training = training
-    lt.state.stage = stage_before if stage_before is RunningStage.TRAINING or sanity else None
+    lt.state.stage = stage_before
     lt._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
     return logged
 
@@ -451,9 +456,9 @@ def _last_batch_flags(counts: list) -> list:
 
 
 def module_hook_overridden(module, name: str) -> bool:
-    from fasttrain.lightning.hooks import module_overrides
-
-    return module_overrides(module, name)
+    """Lightning's test (``is_overridden``): a hook set on the instance that wraps the base
+    class's method (``functools.wraps``, ``Mock(wraps=...)``, ``partial``) is not an override."""
+    return is_overridden(name, module)
 
 
 def run_predict(lt, runner, loaders):
@@ -504,5 +509,4 @@ def run_predict(lt, runner, loaders):
     hooks("on_predict_end")
     for m, training in zip(module.modules(), mode):
         m.training = training
-    lt.predicting = False
     return returned

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from fasttrain import prepare, signals
@@ -189,6 +190,7 @@ class ModuleRunner(FasttrainTrainer):
         optimizer = lt.optimizers[0]
         counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
 
+        @torch.enable_grad()  # as Lightning's closure: an optimizer may step under no_grad
         def closure():
             if clear:
                 optimizer.zero_grad()
@@ -202,10 +204,11 @@ class ModuleRunner(FasttrainTrainer):
         lt._hooks.module_hook(
             "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0], closure
         )
-        if "output" not in result:
-            raise RuntimeError(
-                "optimizer_step was overridden but did not call optimizer.step(closure=optimizer_closure); "
-                "the training step of this batch never ran"
+        if "output" not in result:  # Lightning's error and words
+            raise MisconfigurationException(
+                "The closure hasn't been executed. HINT: did you call `optimizer_closure()` in your"
+                " `optimizer_step` hook? It could also happen because the `optimizer.step(optimizer_closure)`"
+                " call did not execute it internally."
             )
         self.optimizer_zero_grad()
         return result["output"]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.strategies import SingleDeviceStrategy as LightningSingleDeviceStrategy
@@ -371,6 +372,17 @@ class _FasttrainStrategy:
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero and os.path.exists(filepath):
             os.remove(filepath)
+
+    def teardown(self) -> None:
+        """Lightning's end of every run (before ``on_fit_end`` and the teardown hooks, or after an
+        error's ``on_exception``): off the CPU, the optimizers' state and the module move to the
+        CPU (an FSDP2-sharded module stays where it is); the plugins end."""
+        if self.root_device.type != "cpu" and not isinstance(self, LightningFSDPStrategy):
+            _optimizers_to_device(self.optimizers, torch.device("cpu"))
+            if self.lightning_module is not None:
+                self.lightning_module.cpu()  # SYNC(stop): once, as a run ends (Lightning's teardown)
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
 
     # ------------------------------------------------------------------ the step
     def backward(self, closure_loss, optimizer=None, *args, **kwargs):
