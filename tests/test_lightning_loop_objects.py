@@ -247,7 +247,7 @@ def test_checkpoints_loops_state_like_lightning(tmp_path, manual):
         return found
 
     out = run_both(action, max_epochs=2, limit_train_batches=5, accumulate_grad_batches=1 if manual else 2,
-                   enable_checkpointing=True)
+                   enable_checkpointing=True, default_root_dir=tmp_path)
     assert sorted(out["fasttrain"]) == sorted(out["lightning"])
     for name, state in out["lightning"].items():
         assert out["fasttrain"][name] == state, name
