@@ -20,6 +20,8 @@ from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning.strategy import check_devices_argument, parse_strategy
+
 
 class LightningConfigError(MisconfigurationException, ValueError):
     """A bad Trainer setting: Lightning's ``MisconfigurationException`` (what Lightning raises
@@ -33,7 +35,6 @@ PRECISIONS = {
 # Lightning's legacy spellings of the mixed modes: accepted with its warning naming the current one
 _DISCOURAGED_PRECISIONS = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed"}
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
-STRATEGIES = ("auto", "ddp", "fsdp")
 GRADIENT_CLIP_ALGORITHMS = (None, "norm", "value")
 
 # Lightning arguments that fasttrain does not implement: an error names them (with why, where
@@ -129,7 +130,7 @@ class TrainerArguments:
     """The validated arguments. fasttrain's own options are the last block."""
 
     accelerator: str = "auto"
-    strategy: str = "auto"
+    strategy: Any = "auto"
     devices: Any = "auto"
     num_nodes: int = 1
     precision: Any = None
@@ -188,10 +189,8 @@ class TrainerArguments:
                 f"accelerator={self.accelerator!r} but CUDA is not available on this machine; use "
                 "accelerator='cpu', or 'auto' to train on a GPU when there is one"
             )
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"strategy must be one of {STRATEGIES} (distribution runs through accelerate), got {self.strategy!r}"
-            )
+        self.strategy = parse_strategy(self.strategy)
+        check_devices_argument(self.devices, self.accelerator, self.strategy)
         if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 1:
             raise LightningConfigError(f"`num_nodes` must be a positive integer, but got {self.num_nodes}.")
         if self.barebones:

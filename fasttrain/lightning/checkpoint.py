@@ -21,70 +21,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from fasttrain.checkpoint_files import CheckpointError, replaced_atomically
 from fasttrain.engine.hyperparams import plain_optimizer_state
+from fasttrain.lightning.loop_objects import loops_state_dict
 
 _SCALER_KEY = "MixedPrecision"
-
-
-def _progress(ready, completed, processed=None, started=None) -> dict:
-    out = {"ready": ready, "completed": completed}
-    if started is not None:
-        out["started"] = started
-    if processed is not None:
-        out["processed"] = processed
-    return out
-
-
-def _loops(lt) -> dict:
-    state = lt.fit_loop
-    epoch_loop = state.epoch_loop
-    epochs = state.epoch_progress.current
-    batches = epoch_loop.batch_progress
-    in_epoch = batches.current.ready
-    # ModelCheckpoint saves inside on_train_batch_end / on_train_epoch_end: the current batch is
-    # processed but not completed yet, as in Lightning
-    steps = lt.global_step
-    manual = not lt.lightning_module.automatic_optimization
-    zero = _progress(0, 0, 0, 0)
-    epoch_counts = _progress(epochs.ready, epochs.completed, epochs.processed, epochs.ready)
-    batch_counts = {
-        "current": _progress(in_epoch, max(in_epoch - 1, 0), in_epoch, in_epoch),
-        "total": _progress(batches.total.ready, max(batches.total.ready - 1, 0), batches.total.ready, batches.total.ready),
-        "is_last_batch": bool(batches.is_last_batch),
-    }
-    if batches.is_last_batch or epochs.processed > epochs.completed:
-        batch_counts["current"]["completed"] = in_epoch
-        batch_counts["total"]["completed"] = batches.total.ready
-    auto_steps = 0 if manual else steps
-    eval_counts = {"current": dict(zero), "total": dict(zero), "is_last_batch": False}
-    return {
-        "fit_loop": {
-            "state_dict": {},
-            "epoch_loop.state_dict": {"_batches_that_stepped": epoch_loop._batches_that_stepped},
-            "epoch_loop.batch_progress": batch_counts,
-            "epoch_loop.scheduler_progress": {"current": _progress(0, 0), "total": _progress(0, 0)},
-            "epoch_loop.automatic_optimization.state_dict": {},
-            "epoch_loop.automatic_optimization.optim_progress": {
-                "optimizer": {
-                    "step": {"current": _progress(auto_steps, auto_steps), "total": _progress(auto_steps, auto_steps)},
-                    "zero_grad": {
-                        "current": _progress(auto_steps, auto_steps, started=auto_steps),
-                        "total": _progress(auto_steps, auto_steps, started=auto_steps),
-                    },
-                }
-            },
-            "epoch_loop.manual_optimization.state_dict": {},
-            "epoch_loop.manual_optimization.optim_step_progress": {
-                "current": _progress(steps if manual else 0, steps if manual else 0),
-                "total": _progress(steps if manual else 0, steps if manual else 0),
-            },
-            "epoch_loop.val_loop.state_dict": {},
-            "epoch_loop.val_loop.batch_progress": eval_counts,
-            "epoch_progress": {"current": epoch_counts, "total": dict(epoch_counts)},
-        },
-        "validate_loop": {"state_dict": {}, "batch_progress": eval_counts},
-        "test_loop": {"state_dict": {}, "batch_progress": eval_counts},
-        "predict_loop": {"state_dict": {}, "batch_progress": {"current": dict(zero), "total": dict(zero)}},
-    }
 
 
 def dump_checkpoint(lt, weights_only: bool = False) -> dict:
@@ -94,7 +33,7 @@ def dump_checkpoint(lt, weights_only: bool = False) -> dict:
         "global_step": lt.global_step,
         "pytorch-lightning_version": lightning.__version__,
         "state_dict": module.state_dict(),
-        "loops": _loops(lt),
+        "loops": loops_state_dict(lt),
     }
     if not weights_only:
         callbacks = {}
@@ -215,23 +154,6 @@ def restore_training_state(lt, path: str, checkpoint: dict) -> None:
 
 
 def _restore_counters(lt, checkpoint: dict) -> None:
-    lt._global_step = int(checkpoint.get("global_step", 0))
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    state = lt.fit_loop
-    if fit is None:  # Lightning restarts such a checkpoint at epoch 0 (weights and optimizer kept)
-        lt._global_step = 0
-        return
-    epochs = fit["epoch_progress"]["current"]
-    batches = fit["epoch_loop.batch_progress"]
-    done_epochs = epochs["processed"]
-    # as Lightning: a fit that restarts inside an epoch (started, not processed) or one limited
-    # by max_steps counts as restarting, which skips the sanity check
-    started = (epochs["ready"], epochs.get("started", done_epochs))
-    lt._restarting = lt.max_steps != -1 or any(count != done_epochs for count in started)
-    in_epoch = batches["current"]["processed"]
-    mid_epoch = epochs["processed"] == epochs["completed"] and not batches["is_last_batch"] and in_epoch > 0
-    current = state.epoch_progress.current
-    current.ready = current.processed = current.completed = done_epochs
-    state.resume_batch = in_epoch if mid_epoch else 0
-    state.epoch_loop.batch_progress.total.ready = batches["total"]["processed"]
-    state.epoch_loop._batches_that_stepped = fit["epoch_loop.state_dict"].get("_batches_that_stepped", lt._global_step)
+    if fit is not None:  # without it Lightning restarts at epoch 0 (weights and optimizer kept)
+        lt.fit_loop.restore(fit)

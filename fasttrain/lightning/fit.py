@@ -39,9 +39,11 @@ from fasttrain.lightning.hooks import (
     merge_module_callbacks,
     module_overrides,
 )
+from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.runner import ModuleRunner
+from fasttrain.lightning.strategy import check_launch
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -83,6 +85,9 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
         datamodule.trainer = lt
     lt.state.fn = fn
     lt.state.status = TrainerStatus.RUNNING
+    # the run's stage from its first hook (setup) to its last (teardown), as Lightning sets it
+    lt.state.stage = {TrainerFn.FITTING: RunningStage.TRAINING, TrainerFn.VALIDATING: RunningStage.VALIDATING,
+                      TrainerFn.TESTING: RunningStage.TESTING, TrainerFn.PREDICTING: RunningStage.PREDICTING}[fn]
     lt.should_stop = False
     lt._load_train_data = None
     # before the hooks are resolved, so the module's callbacks get every hook of this run
@@ -260,32 +265,6 @@ def _choose_engine(lt, requested: str, device) -> str:
     return target
 
 
-def _check_devices(lt, processes: int) -> None:
-    """``devices`` (per node) times ``num_nodes`` must be the launch's process count: fasttrain
-    starts no processes itself, torchrun (or accelerate launch) does, on every node."""
-    devices, nodes = lt._args.devices, lt.num_nodes
-    if devices in ("auto", -1, "-1"):
-        if processes % nodes == 0 and processes >= nodes:
-            return
-        wanted = None
-    else:
-        wanted = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
-        if wanted * nodes == processes:
-            return
-    per_node = wanted or 1
-    if nodes == 1:
-        raise ValueError(
-            f"devices={devices!r} but this run has {processes} process(es): fasttrain starts no processes itself; "
-            f"launch {per_node} with `accelerate launch --num_processes {per_node}` or `torchrun --nproc_per_node "
-            f"{per_node}`, or leave devices='auto'"
-        )
-    raise ValueError(
-        f"num_nodes={nodes} and devices={devices!r} but this run has {processes} process(es): fasttrain starts no "
-        f"processes itself; on each of the {nodes} nodes launch `torchrun --nnodes {nodes} --nproc_per_node "
-        f"{per_node} ...` (or `accelerate launch --num_machines {nodes} --num_processes {per_node * nodes}`)"
-    )
-
-
 def _runner(lt, engine: str) -> ModuleRunner:
     """The run's ModuleRunner, built before the set-up hooks: building its Accelerator starts the
     process group on the first run, so that ``prepare_data``, ``setup``, ``configure_model`` and
@@ -297,7 +276,7 @@ def _runner(lt, engine: str) -> ModuleRunner:
         mixed_precision=args.mixed_precision, compile_options=args.compile_options, nonfinite=args.nonfinite,
         handle_signals=False,
     )
-    _check_devices(lt, runner._accelerator.num_processes)
+    check_launch(lt, runner._accelerator.num_processes)
     lt._runner = runner
     lt._device = runner.device
     return runner
@@ -437,6 +416,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
     lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
     lt._restarting = False
+    lt.fit_loop._resume = None
     lt._scaler_state = None
     clip_value = clip_norm = None
     # the clipping Trainer(gradient_clip_val=...) asks for is done by LightningModule's own
@@ -474,6 +454,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     finally:
         lt._load_train_data = None
     lt.training = True  # on_fit_end and teardown run in the training stage, as in Lightning
+    lt.strategy.teardown()
     hooks("on_fit_end")
     teardown(lt, TrainerFn.FITTING)
     lt.training = False
@@ -565,6 +546,7 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
     logged = run_evaluation(lt, runner, stage)
+    lt.strategy.teardown()
     teardown(lt, fn)
     return logged
 
@@ -573,9 +555,9 @@ def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, w
     if isinstance(dataloaders, LightningDataModule):
         datamodule, dataloaders = dataloaders, None
     choice = (ckpt_path, model is not None, lt._module is not None)
+    lt.predict_loop.return_predictions = return_predictions
     _attach(lt, model, datamodule, TrainerFn.PREDICTING)
-    predictions = handle_errors(lt, functools.partial(_predict, lt, dataloaders, choice, weights_only))
-    return None if return_predictions is False else predictions
+    return handle_errors(lt, functools.partial(_predict, lt, dataloaders, choice, weights_only))
 
 
 def _predict(lt, dataloaders, choice, weights_only) -> list:
@@ -587,11 +569,12 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    loaders = [_process_loader(lt, dl, RunningStage.PREDICTING) for dl in loaders]
+    loaders = [index_predict_loader(_process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
     lt._predict_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
     runner.prepare_for_evaluation(loaders[0])
     predictions = run_predict(lt, runner, loaders)
+    lt.strategy.teardown()
     teardown(lt, TrainerFn.PREDICTING)
     return predictions

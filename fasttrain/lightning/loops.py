@@ -10,42 +10,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from types import SimpleNamespace
 
 import torch
+from lightning.fabric.utilities import move_data_to_device
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
-
-
-class _Progress:
-    """The counters of Lightning's loops that callbacks and checkpoints read."""
-
-    def __init__(self):
-        self.is_last_batch = False
-        self.current = SimpleNamespace(ready=0, completed=0, processed=0, started=0)
-        self.total = SimpleNamespace(ready=0, completed=0, processed=0, started=0)
-
-
-class FitLoopState:
-    """``trainer.fit_loop`` as Lightning's callbacks read it."""
-
-    def __init__(self):
-        self.epoch_progress = _Progress()
-        self.epoch_loop = SimpleNamespace(
-            _batches_that_stepped=0,
-            batch_progress=_Progress(),
-            val_loop=SimpleNamespace(_has_run=False),
-            batch_idx=0,
-            total_batch_idx=0,
-        )
-        #: the batch to resume at in the first epoch (a mid-epoch checkpoint)
-        self.resume_batch = 0
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -95,11 +71,14 @@ def run_fit(lt, runner) -> None:
         with isolate_rng():
             run_evaluation(lt, runner, "validate", sanity=True)
         hooks.callbacks_only("on_sanity_check_end")
+        # as in Lightning, the sanity check leaves no trace in the validation loop's counters
+        epoch_loop.val_loop.batch_progress.reset()
         lt.sanity_checking = False
     check_interval_fits_epoch(lt.val_check_interval, lt)  # after the sanity check, as in Lightning
     # Lightning creates the first epoch's data iterator here, after the sanity check and before
     # on_train_start (a DataLoader draws its base seed when the iterator is created)
     iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
+    state.start_run()
     every = lt.check_val_every_n_epoch
     if lt._load_val_later is not None and (every is None or (lt.current_epoch + 1) % every == 0):
         # without a sanity check Lightning requests the validation loaders now when the first
@@ -127,6 +106,13 @@ def run_fit(lt, runner) -> None:
     batch_start_hooked = hooks.overridden("on_train_batch_start")
     batch_end_hooked = hooks.overridden("on_train_batch_end")
     schedulers = bool(lt.lr_scheduler_configs)
+    # Lightning's progress counters, advanced where Lightning advances them (host integers)
+    epochs = state.epoch_progress
+    batches = epoch_loop.batch_progress
+    current, total = batches.current, batches.total
+    optimizer_counts = epoch_loop.automatic_optimization.optim_progress.optimizer
+    steps, zero_grads = optimizer_counts.step, optimizer_counts.zero_grad
+    count_zero_grad = not lt._own_zero_grad  # else counted around the zero-grad hooks (runner)
     while not _fit_done(lt):
         epoch = lt.current_epoch
         if _reload_due(lt, lt._train_reloaded_epoch):
@@ -146,18 +132,22 @@ def run_fit(lt, runner) -> None:
         # not reset here: values logged in on_train_start count in the first epoch, as in
         # Lightning (the store is reset when a run starts and after each epoch's metrics)
         results = lt._train_results
-        epoch_loop.batch_progress.current.ready = 0
-        epoch_loop.batch_progress.is_last_batch = False
-        state.epoch_progress.current.ready += 1
         progress = lt._progress
         progress.start_epoch(epoch, num_batches)
-        hooks("on_train_epoch_start")
+        # a fit resumed inside an epoch continues it without a new start (Lightning's rule), from
+        # the batch it stopped at, on a fresh iterator: the epoch takes the loader's first
+        # remaining-count batches, as Lightning's does
+        first = state.begin_epoch(lambda: hooks("on_train_epoch_start"), num_batches, k)
+        if epoch_loop.restarting and not state._resumed_after_validation and _should_validate(
+            lt, first - 1, batches.is_last_batch
+        ):
+            # the checkpoint was saved before the validation due at its batch: Lightning counts
+            # that validation as run (requesting the validation data for its batch counts)
+            if lt._load_val_later is not None:
+                _load_deferred_val(lt)
+            epoch_loop.val_loop.pass_over(lt.num_val_batches)
         if iterator is None:
             iterator = iter(loader)  # later epochs: after on_train_epoch_start, as in Lightning
-        # a mid-epoch resume counts on from the batch it stopped at, on a fresh iterator: the
-        # epoch takes the loader's first remaining-count batches, as Lightning's does
-        first = state.resume_batch
-        state.resume_batch = 0
         # no batch is requested past the epoch's last: a sampler run to its end draws from the
         # loader's generator once more, which Lightning's fetcher never does for a loader with a
         # length, so the next epochs' shuffles would differ. An epoch of unknown length takes a
@@ -167,33 +157,42 @@ def run_fit(lt, runner) -> None:
             iterator = _look_ahead(iterator, ended)
         for batch_idx, batch in _numbered(iterator, first, num_batches):
             last = batch_idx + 1 == num_batches or (ended is not None and ended[0])
+            batches.is_last_batch = last
             if moves_batches:
                 batch = transfer(lt, batch)
-            epoch_loop.batch_idx = runner.batch_idx = batch_idx
-            epoch_loop.batch_progress.current.ready = batch_idx + 1
-            epoch_loop.batch_progress.total.ready += 1
-            epoch_loop.total_batch_idx = epoch_loop.batch_progress.total.ready - 1
-            epoch_loop.batch_progress.is_last_batch = last
+            runner.batch_idx = batch_idx
+            current.ready += 1
+            total.ready += 1
             results.start_batch(batch)
             if batch_start_hooked and hooks("on_train_batch_start", batch, batch_idx) == -1:
                 # the rest of the epoch is skipped; Lightning still steps the schedulers as at
                 # an epoch's last batch
-                epoch_loop.batch_progress.is_last_batch = True
+                batches.is_last_batch = True
+                current.processed += 1
+                total.processed += 1
                 lt._step_schedulers("step", batch_idx)
                 lt._step_schedulers("epoch", batch_idx)
                 break
+            current.started += 1
+            total.started += 1
             update = (batch_idx + 1) % k == 0 or last
-            runner.window_start = batch_idx % k == 0
+            window_start = runner.window_start = batch_idx % k == 0
             if module.automatic_optimization:
+                if update:
+                    steps.increment_ready()
                 if update and lt._module_steps:
                     batch_output = runner.closure_step(batch)
                 else:
                     batch_output = engine.train_step(batch, update)
                     if results.pending:
                         results.drain()
+                    if window_start and count_zero_grad:
+                        zero_grads.increment_by(1)
                 if update:
-                    lt._global_step += 1
+                    steps.increment_completed()
                     runner.progress.num_updates += 1
+                current.processed += 1
+                total.processed += 1
                 if batch_end_hooked:
                     outputs = _batch_end_outputs(batch_output, k)
                 if schedulers:
@@ -204,8 +203,12 @@ def run_fit(lt, runner) -> None:
             else:
                 outputs = lt._manual_step(batch, batch_idx)
                 update = True
+                current.processed += 1
+                total.processed += 1
             if batch_end_hooked:
                 hooks("on_train_batch_end", outputs, batch, batch_idx)
+            current.completed += 1
+            total.completed += 1
             if update and lt._logger_connector.flush_due():
                 lt._log_step_metrics()
                 progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
@@ -223,23 +226,28 @@ def run_fit(lt, runner) -> None:
                 if schedulers:
                     lt._step_schedulers("step", batch_idx, plateau=True)
                 epoch_loop._batches_that_stepped += 1
+            if epoch_loop._restarting:  # as in Lightning, the first batch after a resume ends its restart
+                epoch_loop.restarting = False
             if (max_steps != -1 and lt.global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
                 break
         iterator = None
-        state.epoch_progress.current.processed += 1
-        progress.update(epoch_loop.batch_progress.current.ready, results.metrics(on_step=True)["pbar"])
+        epochs.increment_processed()
+        progress.update(current.ready, results.metrics(on_step=True)["pbar"])
         lt._epoch_end_metrics_ready()
         hooks.callbacks_only("on_train_epoch_end", monitoring=False)
         hooks.module_hook("on_train_epoch_end")
         hooks.callbacks_only("on_train_epoch_end", monitoring=True)
         lt._collect_epoch_metrics(results)
-        if epoch_loop.batch_progress.is_last_batch:  # not when max_steps ended the epoch early
+        # not when max_steps ended the epoch early, nor in the epoch a resume restarted (Lightning
+        # does not keep the monitored values in checkpoints)
+        if batches.is_last_batch and not state.restarting:
             lt._step_schedulers("epoch", 0, plateau=True)
         epoch_loop._batches_that_stepped -= 1  # loggers get epoch metrics at the epoch's last step
         lt._log_epoch_metrics(results)
         epoch_loop._batches_that_stepped += 1
         results.reset()
-        state.epoch_progress.current.completed += 1
+        epochs.increment_completed()
+        lt._restarting = False  # the first epoch after a resume has run
         progress.close()
     hooks("on_train_end")
 
@@ -316,6 +324,10 @@ def _reload_due(lt, last_epoch) -> bool:
 def _load_deferred_val(lt) -> None:
     load, lt._load_val_later = lt._load_val_later, None
     load()
+    # the validation loop counts its loaders when it requests them, as Lightning's does
+    lt.fit_loop.epoch_loop.val_loop._max_batches = [
+        num_batches(RunningStage.VALIDATING, loader, lt.limit_val_batches) for loader in lt._val_loaders
+    ]
 
 
 def _should_validate(lt, batch_idx: int, last: bool) -> bool:
@@ -360,11 +372,14 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     results.reset()
     lt._eval_step_name = "test_step" if testing else "validation_step"
     fitting = lt.state.fn == "fit"
-    val_loop = lt.fit_loop.epoch_loop.val_loop
-    if fitting:
-        # Lightning's flag for "a validation ran": reset each run, set by a batch outside the
-        # sanity check (ModelCheckpoint only warns about a missing monitored value until then)
-        val_loop._has_run = False
+    loop = lt.fit_loop.epoch_loop.val_loop if fitting else lt.test_loop if testing else lt.validate_loop
+    running = RunningStage.TESTING if testing else RunningStage.VALIDATING
+    loop._max_batches = [num_batches(running, loader, limit) for loader in loaders]
+    counts = loop.max_batches  # the sanity check's, while it runs
+    # Lightning's "a validation ran" flag (set by a batch outside the sanity check:
+    # ModelCheckpoint only warns about a missing monitored value until then) and batch counters
+    loop.start_run()
+    progress = loop.batch_progress
     mode = [m.training for m in module.modules()]
     if fitting:
         # Lightning sets the evaluation samplers' epoch in a fit (some shuffle by training progress)
@@ -380,25 +395,29 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     several = len(loaders) > 1
     logged = []
     with torch.no_grad():
-        for loader_idx, loader in enumerate(loaders):
-            count = num_batches(RunningStage.TESTING if testing else RunningStage.VALIDATING, loader, limit)
-            if sanity:
-                count = lt._num_sanity_batches(loader)
+        for loader_idx, (loader, count, ends) in enumerate(zip(loaders, counts, _last_batch_flags(counts))):
             lt._eval_dataloader_idx = loader_idx if several else None
             extra = (loader_idx,) if several else ()
             iterator = first_iterator if loader_idx == 0 else iter(loader)
+            ended = [False] if ends is None else None
+            if ended is not None:
+                iterator = _look_ahead(iterator, ended)
             for batch_idx, batch in _numbered(iterator, 0, count):
+                progress.is_last_batch = ends == batch_idx + 1 if ended is None else ended[0]
                 batch = transfer(lt, batch, loader_idx)
                 runner.batch_idx = batch_idx
+                progress.increment_ready()
                 results.start_batch(batch, loader_idx if several else None)
                 hooks(f"on_{prefix}_batch_start", batch, batch_idx, *extra)
+                progress.increment_started()
                 output = engine.eval_step(batch)
                 if results.pending:
                     results.drain()
+                progress.increment_processed()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
+                progress.increment_completed()
                 if not sanity:
-                    if fitting:
-                        val_loop._has_run = True
+                    loop._has_run = True
                     # values logged with on_step=True in an evaluation step reach logged_metrics
                     # and the loggers per batch, at a step counting this loader's batches, as in
                     # Lightning
@@ -423,47 +442,71 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     else:
         for m, training in zip(module.modules(), mode):
             m.training = training
-    lt.state.stage = stage_before if stage_before is RunningStage.TRAINING or sanity else None
+    lt.state.stage = stage_before
     lt._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
     return logged
 
 
+def _last_batch_flags(counts: list) -> list:
+    """Per loader, when its batches include the run's last one (Lightning's ``is_last_batch``
+    counts over all loaders): that batch's number, or None when the loader has no length (a
+    look-ahead tells its last batch); 0 for the other loaders."""
+    final = max((i for i, count in enumerate(counts) if count), default=-1)
+    return [(None if count == float("inf") else count) if i == final else 0 for i, count in enumerate(counts)]
+
+
 def module_hook_overridden(module, name: str) -> bool:
-    from fasttrain.lightning.hooks import module_overrides
+    """Lightning's test (``is_overridden``): a hook set on the instance that wraps the base
+    class's method (``functools.wraps``, ``Mock(wraps=...)``, ``partial``) is not an override."""
+    return is_overridden(name, module)
 
-    return module_overrides(module, name)
 
-
-def run_predict(lt, runner, loaders) -> list:
+def run_predict(lt, runner, loaders):
+    """One prediction run over ``loaders``; returns the predictions (one list per loader when
+    there are several) when ``predict_loop.return_predictions``, else None."""
     hooks = lt._hooks
     module = lt.lightning_module
+    loop = lt.predict_loop
+    loop.max_batches = counts = [num_batches(RunningStage.PREDICTING, dl, lt.limit_predict_batches) for dl in loaders]
+    loop.start_run(loaders, lt.callbacks)
+    progress = loop.batch_progress
+    keep = loop.keeps_predictions()
     mode = [m.training for m in module.modules()]
     lt.predicting = True
     hooks.module_hook("on_predict_model_eval")
     hooks("on_predict_start")
     hooks("on_predict_epoch_start")
     several = len(loaders) > 1
-    all_predictions = []
     with torch.no_grad():
-        for loader_idx, loader in enumerate(loaders):
-            count = num_batches(RunningStage.PREDICTING, loader, lt.limit_predict_batches)
+        for loader_idx, (loader, count, ends) in enumerate(zip(loaders, counts, _last_batch_flags(counts))):
             extra = (loader_idx,) if several else ()
-            predictions = []
-            for batch_idx, batch in _numbered(iter(loader), 0, count):  # no batch requested past the count
+            iterator = iter(loader)
+            ended = [False] if ends is None else None
+            if ended is not None:
+                iterator = _look_ahead(iterator, ended)
+            for batch_idx, batch in _numbered(iterator, 0, count):  # no batch requested past the count
+                progress.is_last_batch = ends == batch_idx + 1 if ended is None else ended[0]
                 batch = transfer(lt, batch, loader_idx)
+                progress.increment_ready()
+                loop.note_batch_indices(batch_idx, loader_idx)
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
+                progress.increment_started()
                 module._current_fx_name = "predict_step"
                 output = runner.model("predict_step", *runner.step_args("predict_step", batch, batch_idx, *extra))
                 if output is None and "predict None" not in lt._said:
                     lt._said.add("predict None")  # once per trainer, as Lightning warns it
                     rank_zero_warn("predict returned None if it was on purpose, ignore this warning...")
                 module._current_fx_name = None
+                progress.increment_processed()
                 hooks("on_predict_batch_end", output, batch, batch_idx, *extra)
-                predictions.append(output)
-            all_predictions.append(predictions)
+                progress.increment_completed()
+                if keep:
+                    # on the host, as Lightning returns them: the caller asked for the values
+                    loop._predictions[loader_idx].append(move_data_to_device(output, torch.device("cpu")))
     hooks("on_predict_epoch_end")
+    returned = loop.predictions if loop.return_predictions else None
+    loop.finish_run()
     hooks("on_predict_end")
     for m, training in zip(module.modules(), mode):
         m.training = training
-    lt.predicting = False
-    return all_predictions if several else all_predictions[0]
+    return returned

@@ -27,6 +27,7 @@ def teardown(lt, stage: str) -> None:
     for logger in lt.loggers:
         logger.finalize("success")
     lt.state.status = TrainerStatus.FINISHED
+    lt.state.stage = None
 
 
 def interrupt(lt, error: BaseException) -> None:
@@ -48,6 +49,8 @@ def interrupt(lt, error: BaseException) -> None:
     dm = lt.datamodule
     if dm is not None and callable(dm.on_exception):
         dm.on_exception(error)
+    # Lightning's DDPStrategy adds what to do to DDP's error about parameters without gradients
+    lt.strategy.on_exception(error)
     for logger in lt.loggers:
         logger.finalize("failed")
 
@@ -64,7 +67,12 @@ def handle_errors(lt, run: Callable[[], Any]):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         interrupt(lt, error)
+        lt.strategy.teardown()
+        # Lightning kills the processes its own launcher started; fasttrain starts none (torchrun
+        # or accelerate launch ends its workers when one exits)
         sys.exit(1)
     except BaseException as error:
         interrupt(lt, error)
+        lt.strategy.teardown()
+        lt.state.stage = None  # after the strategy's teardown, as Lightning resets it
         raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from fasttrain import prepare, signals
@@ -37,12 +38,7 @@ class ModuleRunner(FasttrainTrainer):
 
     # ------------------------------------------------------------------ setup
     def _create_accelerator(self) -> Accelerator:
-        kwargs = {}
-        if self.lt._args.strategy == "fsdp":
-            from accelerate.utils import FullyShardedDataParallelPlugin
-
-            # FSDP2: the Trainer refuses FSDP1, accelerate's default version
-            kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
+        kwargs = self.lt._args.strategy.accelerator_kwargs()  # DDP's options, FSDP2's plugin
         return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):
@@ -171,8 +167,12 @@ class ModuleRunner(FasttrainTrainer):
         if self.window_start and lt._own_zero_grad:
             # Lightning clears gradients before the first backward of a window
             optimizer = lt.optimizers[0]
+            counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+            counts.increment_ready()
             hooks("on_before_zero_grad", optimizer)
+            counts.increment_started()
             hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
+            counts.increment_completed()
         if lt._plain_backward_hooks:
             super().backward_step(loss)
         else:
@@ -189,11 +189,15 @@ class ModuleRunner(FasttrainTrainer):
         # module's own zero-grad hooks, when it has them, do so in backward_step)
         clear = self.window_start and not lt._own_zero_grad
         optimizer = lt.optimizers[0]
+        counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
 
+        @torch.enable_grad()  # as Lightning's closure: an optimizer may step under no_grad
         def closure():
             if clear:
                 optimizer.zero_grad()
             batch_output = self.calculate_train_batch_loss(batch)
+            if clear:
+                counts.increment_by(1)  # Lightning counts its zero_grad after the training step
             self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output
             return batch_output["loss"]
@@ -201,10 +205,11 @@ class ModuleRunner(FasttrainTrainer):
         lt._hooks.module_hook(
             "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0], closure
         )
-        if "output" not in result:
-            raise RuntimeError(
-                "optimizer_step was overridden but did not call optimizer.step(closure=optimizer_closure); "
-                "the training step of this batch never ran"
+        if "output" not in result:  # Lightning's error and words
+            raise MisconfigurationException(
+                "The closure hasn't been executed. HINT: did you call `optimizer_closure()` in your"
+                " `optimizer_step` hook? It could also happen because the `optimizer.step(optimizer_closure)`"
+                " call did not execute it internally."
             )
         self.optimizer_zero_grad()
         return result["output"]

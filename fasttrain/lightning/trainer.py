@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.registry import _load_external_callbacks
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, Timer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
@@ -31,11 +32,11 @@ from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
-from fasttrain.lightning.loops import FitLoopState
+from fasttrain.lightning.loop_objects import LoopProperties
 from fasttrain.lightning.progress import EpochProgress
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
-from fasttrain.lightning.strategy import Strategy
+from fasttrain.lightning.strategy import build_strategy, device_ids
 
 
 def _stage_flag(stage: RunningStage) -> property:
@@ -54,13 +55,17 @@ def _stage_flag(stage: RunningStage) -> property:
     return property(get, set)
 
 
-class Trainer:
+class Trainer(LoopProperties):
     """Lightning's ``Trainer`` arguments (those fasttrain honours; any other is an error naming
     it) plus fasttrain's keyword options ``engine`` (``"auto"``, ``"eager"``, ``"compiled"``,
     ``"cudagraph"``), ``compile_options`` and ``nonfinite`` (default ``"ignore"``, as Lightning)."""
 
     def __init__(self, **kwargs):
         args = self._args = parse_arguments(kwargs)
+        self.state = TrainerState()
+        self._module = None
+        self.num_training_batches = float("inf")  # until a fit loads its training data, as in Lightning
+        self._build_loops()
         # max_epochs stays None until a fit decides 1000 or -1, as in Lightning
         self.max_epochs, self.max_steps = args.max_epochs, args.max_steps
         self.min_epochs, self.min_steps = args.min_epochs, args.min_steps
@@ -86,7 +91,8 @@ class Trainer:
         self.log_every_n_steps = args.log_every_n_steps
         self.default_root_dir = args.default_root_dir
         self.enable_autolog_hparams = args.enable_autolog_hparams
-        self._force_cpu = args.accelerator == "cpu"
+        device = args.strategy.device  # SingleDeviceStrategy(device=...)
+        self._force_cpu = args.accelerator == "cpu" or (device is not None and device.type == "cpu")
         if args.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=args.deterministic == "warn")
         self.callbacks = self._build_callbacks(args)
@@ -104,8 +110,9 @@ class Trainer:
         self._reload_train_data = self._reload_val_data = None
         self.profiler = PassThroughProfiler()
         self.precision_plugin = Precision()
-        self.strategy = Strategy(self)
-        self.state = TrainerState()
+        #: Lightning's accelerator object for the run's device (isinstance checks, device stats)
+        self.accelerator = CPUAccelerator() if planned_device(self).type == "cpu" else CUDAAccelerator()
+        self.strategy = build_strategy(self, args.strategy, self.accelerator)
         self.should_stop = False
         self.received_sigterm = False
         self._logger_connector = LoggerConnector(self)
@@ -114,9 +121,6 @@ class Trainer:
         self._val_results = ResultStore(training=False)
         self._test_results = ResultStore(training=False)
         self._active_eval_results = None
-        self.fit_loop = FitLoopState()
-        self._global_step = 0
-        self._module = None
         self._runner: Optional[ModuleRunner] = None
         self.datamodule = None
         self.optimizers: list = []
@@ -124,8 +128,6 @@ class Trainer:
         #: the checkpoint the last run loaded (None: none), or the one set through trainer.ckpt_path
         self._ckpt_path = None
         self._ckpt_path_user_managed = False
-        #: a fit resumed inside an epoch (or limited by max_steps): no sanity check, as in Lightning
-        self._restarting = False
         #: loads the fit's training data when something reads the estimate before the fit
         #: loads it (configure_optimizers); None once loaded
         self._load_train_data = None
@@ -139,7 +141,6 @@ class Trainer:
         self._predict_loaders: list = []
         self._eval_step_name = "validation_step"
         self._eval_dataloader_idx = None
-        self.num_training_batches = 0
         self._hooks: Optional[HookCaller] = None
         #: whether the attached module defines validation_step (decided when a run attaches it)
         self._has_val_step = False
@@ -180,14 +181,6 @@ class Trainer:
     def model(self):
         return self._module
 
-    @property
-    def current_epoch(self) -> int:
-        return self.fit_loop.epoch_progress.current.completed
-
-    @property
-    def global_step(self) -> int:
-        return self._global_step
-
     # the running stage, as Lightning keeps it: trainer.state.stage, which these flags set and
     # read (identity tests: read by self.log on every call)
     training = _stage_flag(RunningStage.TRAINING)
@@ -222,7 +215,7 @@ class Trainer:
 
     @property
     def num_devices(self) -> int:
-        return self.world_size
+        return len(self.device_ids)
 
     @property
     def ckpt_path(self):
@@ -354,29 +347,20 @@ class Trainer:
 
     @property
     def device_ids(self) -> list:
-        """The device indices of this node, as Lightning lists them: ``[0]`` on the CPU, the
-        launch's local GPU indices on CUDA (one per process: fasttrain runs a device per process)."""
-        per_node = max(self.world_size // self.num_nodes, 1)
-        if per_node == 1:
-            device = self._device if self._runner is not None else _planned_device(self)
-            return [device.index or 0]
-        return list(range(per_node))
+        """The device indices of this node, as Lightning lists them (see strategy.device_ids)."""
+        return device_ids(self)
 
     @contextlib.contextmanager
     def init_module(self, empty_init: Optional[bool] = None):
         """Lightning's ``with trainer.init_module():``: tensors the block creates go straight to
         the device the run will use (``empty_init`` is accepted; the weights are initialised
         either way, as under Lightning's single-device strategies)."""
-        with torch.device(_planned_device(self)):
+        with torch.device(planned_device(self)):
             yield
 
     @property
     def precision(self) -> str:
         return {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[self._args.mixed_precision]
-
-    @property
-    def is_last_batch(self) -> bool:
-        return bool(self.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
     @property
     def interrupted(self) -> bool:
@@ -454,8 +438,10 @@ class Trainer:
         strategy._lightning_optimizers = [LightningOptimizer._to_lightning_optimizer(o, strategy) for o in self.optimizers]
         module = self._module
         if module is not None and not module.automatic_optimization:
+            counts = self.fit_loop.epoch_loop.manual_optimization
             for lightning_optimizer in strategy._lightning_optimizers:
-                lightning_optimizer._on_after_step = self._manual_optimizer_stepped
+                lightning_optimizer._on_before_step = counts.step_starting
+                lightning_optimizer._on_after_step = counts.step_done
 
     # ------------------------------------------------------------------ loop support
     def _scaler(self):
@@ -499,7 +485,10 @@ class Trainer:
                         )
                     warnings.warn(f"ReduceLROnPlateau monitors {config.monitor!r}, not logged: skipped", RuntimeWarning)
                     continue
+            counts = self.fit_loop.epoch_loop.scheduler_progress
+            counts.increment_ready()
             self._hooks.module_hook("lr_scheduler_step", config.scheduler, monitor_value)
+            counts.increment_completed()
 
     def _manual_step(self, batch, batch_idx: int) -> dict:
         runner = self._runner
@@ -509,9 +498,6 @@ class Trainer:
         if isinstance(output, dict):
             return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
         return {}
-
-    def _manual_optimizer_stepped(self) -> None:
-        self._global_step += 1
 
     def _epoch_end_metrics_ready(self) -> None:
         # the last batch's step values stay in callback_metrics, as Lightning's per-batch update leaves them
@@ -546,7 +532,7 @@ class Trainer:
         ]
 
 
-def _planned_device(trainer) -> torch.device:
+def planned_device(trainer) -> torch.device:
     """The device a run of ``trainer`` trains on, before a run has placed anything."""
     if trainer._force_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
