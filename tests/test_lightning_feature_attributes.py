@@ -150,15 +150,3 @@ def test_state_stage_in_every_loop_like_lightning():
         RunningStage.SANITY_CHECKING, RunningStage.TRAINING, RunningStage.VALIDATING, RunningStage.TRAINING,
         RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.PREDICTING,
     ]
-
-
-class _Indexable:
-    """Not a Logger and not iterable, but indexable: list() of it would never end."""
-
-    def __getitem__(self, index):
-        return object()
-
-
-def test_a_logger_argument_that_cannot_be_iterated_is_an_error():
-    with pytest.raises(TypeError, match="logger must be a Lightning Logger"):
-        Trainer(logger=_Indexable(), **{k: v for k, v in QUIET.items() if k != "logger"})

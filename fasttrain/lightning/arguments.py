@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time_interval_seconds
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 
@@ -200,10 +200,20 @@ class TrainerArguments:
             self.num_sanity_val_steps = 2 if self.num_sanity_val_steps is None else self.num_sanity_val_steps
             self.log_every_n_steps = 50 if self.log_every_n_steps is None else self.log_every_n_steps
         # Lightning keeps max_epochs None here and decides 1000 or -1 when a fit starts
-        if self.max_epochs is not None and (not isinstance(self.max_epochs, int) or self.max_epochs < -1):
+        # below -1: Lightning's error; another type fails deep in Lightning's loop (an assertion),
+        # here a clear error
+        if self.max_epochs is not None and (isinstance(self.max_epochs, bool) or not isinstance(self.max_epochs, int)):
             raise ValueError(f"max_epochs must be an int >= -1 (-1: no limit), got {self.max_epochs!r}")
-        if not isinstance(self.max_steps, int) or self.max_steps < -1:
+        if self.max_epochs is not None and self.max_epochs < -1:
+            raise LightningConfigError(
+                f"`max_epochs` must be a non-negative integer or -1. You passed in {self.max_epochs}."
+            )
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
             raise ValueError(f"max_steps must be an int >= -1 (-1: no limit), got {self.max_steps!r}")
+        if self.max_steps < -1:
+            raise LightningConfigError(
+                f"`max_steps` must be a non-negative integer or -1 (infinite steps). You passed in {self.max_steps}."
+            )
         for name in ("min_epochs", "min_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -241,10 +251,13 @@ class TrainerArguments:
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if not isinstance(self.accumulate_grad_batches, int) or self.accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be a positive int, got {self.accumulate_grad_batches!r}")
-        if self.gradient_clip_algorithm not in GRADIENT_CLIP_ALGORITHMS:
-            raise ValueError(
-                f"gradient_clip_algorithm must be 'norm' or 'value', got {self.gradient_clip_algorithm!r}"
+        algorithm = self.gradient_clip_algorithm
+        if algorithm is not None and (not isinstance(algorithm, str) or algorithm.lower() not in GRADIENT_CLIP_ALGORITHMS):
+            raise LightningConfigError(
+                f"`gradient_clip_algorithm` {algorithm} is invalid. "
+                f"Allowed algorithms: {GradClipAlgorithmType.supported_types()}."
             )
+        self.gradient_clip_algorithm = algorithm.lower() if algorithm is not None else None
         if self.gradient_clip_val is not None and (
             isinstance(self.gradient_clip_val, bool)
             or not isinstance(self.gradient_clip_val, numbers.Real)
@@ -317,8 +330,10 @@ class TrainerArguments:
                 except (MisconfigurationException, TypeError) as error:
                     raise LightningConfigError(str(error)) from None
             else:
+                # a negative value is Lightning's error (below); 0 fails deep in Lightning's loop
+                # (a division by zero), here a clear error
                 if isinstance(interval, bool) or not isinstance(interval, (numbers.Real, type(None))) or (
-                    interval is not None and interval <= 0
+                    interval is not None and interval == 0
                 ):
                     raise ValueError(
                         "val_check_interval must be a positive int (batches), a float in (0, 1], or a time "

@@ -9,7 +9,7 @@ import inspect
 import warnings
 from types import SimpleNamespace
 
-from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset, sized_len
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
@@ -151,6 +151,13 @@ def _process_loader(lt, loader, stage: RunningStage):
             category=PossibleUserWarning,
         )
     _worker_check(lt, loader, name)
+    if has_iterable_dataset(loader) and sized_len(loader) is not None:
+        rank_zero_warn(  # Lightning's words
+            "Your `IterableDataset` has `__len__` defined."
+            " In combination with multi-process data loading (when num_workers > 1),"
+            " `__len__` could be inaccurate if each worker is not configured independently"
+            " to avoid having duplicate data."
+        )
     if lt.state.fn != TrainerFn.FITTING:
         _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
     return loader
@@ -403,6 +410,8 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     _check_validation_setup(lt, val_dataloaders)
     module = lt.lightning_module
     _verify_fit(module)
+    if not module.automatic_optimization:
+        _check_manual(lt)
     lt.training = True
     runner = _runner(lt, "eager")
     # once the process group exists (the runner starts it), so that the processes agree
@@ -427,8 +436,6 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
             f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization takes one. "
             "Set self.automatic_optimization = False to step several yourself."
         )
-    if not module.automatic_optimization:
-        _check_manual(lt)
     lt._wrap_optimizers()
     hooks = lt._hooks
     lt._module_steps = module_overrides(module, "optimizer_step") or any(map(_needs_closure, optimizers))
@@ -518,15 +525,17 @@ def _barebones_notice(lt) -> None:
 
 
 def _check_manual(lt) -> None:
-    if lt.accumulate_grad_batches != 1:
-        raise ValueError(
-            "accumulate_grad_batches does not apply under manual optimization; accumulate in training_step "
-            "(step the optimizer every N batches) and leave accumulate_grad_batches=1"
+    # Lightning's checks and words, in its order
+    if lt.gradient_clip_val is not None and lt.gradient_clip_val > 0:
+        raise MisconfigurationException(
+            "Automatic gradient clipping is not supported for manual optimization."
+            f" Remove `Trainer(gradient_clip_val={lt.gradient_clip_val})` or switch to automatic optimization."
         )
-    if lt.gradient_clip_val:
-        raise ValueError(
-            "gradient_clip_val does not apply under manual optimization; call self.clip_gradients(opt, ...) "
-            "in training_step instead"
+    if lt.accumulate_grad_batches != 1:
+        raise MisconfigurationException(
+            "Automatic gradient accumulation is not supported for manual optimization."
+            f" Remove `Trainer(accumulate_grad_batches={lt.accumulate_grad_batches})` or switch to automatic"
+            " optimization."
         )
     if lt._args.mixed_precision == "fp16":
         raise ValueError("precision='16-mixed' with manual optimization is not supported; use 'bf16-mixed'")

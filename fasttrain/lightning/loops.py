@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from lightning.pytorch.loops.utilities import _verify_dataloader_idx_requirement
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
@@ -373,6 +374,7 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     # as in Lightning, the first loader's iterator exists before the hooks, the others' are
     # created when their turn comes, and no batch is requested past a loader's count
     first_iterator = iter(loaders[0]) if loaders else None
+    verify_dataloader_idx(module, prefix, lt.state.stage, len(loaders) > 1)
     hooks.module_hook(f"on_{prefix}_model_eval")
     hooks(f"on_{prefix}_start")
     hooks(f"on_{prefix}_epoch_start")
@@ -428,6 +430,15 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     return logged
 
 
+def verify_dataloader_idx(module, prefix: str, stage: RunningStage, several: bool) -> None:
+    """Lightning's check, before an evaluation or prediction loop starts, that the step and batch
+    hooks take a ``dataloader_idx`` exactly when several loaders run (its RuntimeError naming the
+    hook, rather than a TypeError from the call)."""
+    step = "validation_step" if prefix == "validation" else f"{prefix}_step"
+    _verify_dataloader_idx_requirement((step,), several, stage, module)
+    _verify_dataloader_idx_requirement((f"on_{prefix}_batch_start", f"on_{prefix}_batch_end"), several, stage, module)
+
+
 def module_hook_overridden(module, name: str) -> bool:
     from fasttrain.lightning.hooks import module_overrides
 
@@ -439,6 +450,7 @@ def run_predict(lt, runner, loaders) -> list:
     module = lt.lightning_module
     mode = [m.training for m in module.modules()]
     lt.predicting = True
+    verify_dataloader_idx(module, "predict", RunningStage.PREDICTING, len(loaders) > 1)
     hooks.module_hook("on_predict_model_eval")
     hooks("on_predict_start")
     hooks("on_predict_epoch_start")

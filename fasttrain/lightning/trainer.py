@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import warnings
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -25,7 +25,8 @@ from lightning.pytorch.trainer.connectors.callback_connector import _validate_ca
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
@@ -491,13 +492,18 @@ class Trainer:
             monitor_value = None
             if config.reduce_on_plateau:
                 monitor_value = self.callback_metrics.get(config.monitor)
-                if monitor_value is None:
+                if monitor_value is None:  # Lightning's error, or its warning with strict=False
                     if config.strict:
-                        raise KeyError(
-                            f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; logged "
-                            f"metrics: {sorted(self.callback_metrics)}. Log it or set 'strict': False."
+                        raise MisconfigurationException(
+                            f"ReduceLROnPlateau conditioned on metric {config.monitor}"
+                            f" which is not available. Available metrics are: {list(self.callback_metrics)}."
+                            " Condition can be set using `monitor` key in lr scheduler dict"
                         )
-                    warnings.warn(f"ReduceLROnPlateau monitors {config.monitor!r}, not logged: skipped", RuntimeWarning)
+                    rank_zero_warn(
+                        f"ReduceLROnPlateau conditioned on metric {config.monitor}"
+                        " which is not available but strict is set to `False`. Skipping learning rate update.",
+                        category=RuntimeWarning,
+                    )
                     continue
             self._hooks.module_hook("lr_scheduler_step", config.scheduler, monitor_value)
 
@@ -506,8 +512,15 @@ class Trainer:
         output = runner.run_step("training_step", *runner.step_args("training_step", batch, batch_idx))
         if isinstance(output, torch.Tensor):
             return {"loss": output.detach()}
-        if isinstance(output, dict):
-            return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
+        if isinstance(output, Mapping):
+            outputs = dict(output)
+            if "loss" in outputs:
+                outputs["loss"] = outputs["loss"].detach()
+            return outputs
+        if output is not None:
+            raise MisconfigurationException(
+                "In manual optimization, `training_step` must either return a Tensor or have no return."
+            )
         return {}
 
     def _manual_optimizer_stepped(self) -> None:
