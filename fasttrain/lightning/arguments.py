@@ -20,6 +20,8 @@ from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning.plugins import Plugins, read_plugins
+
 
 class LightningConfigError(MisconfigurationException, ValueError):
     """A bad Trainer setting: Lightning's ``MisconfigurationException`` (what Lightning raises
@@ -39,13 +41,9 @@ GRADIENT_CLIP_ALGORITHMS = (None, "norm", "value")
 # Lightning arguments that fasttrain does not implement: an error names them (with why, where
 # a user would expect it to work)
 _NOT_SUPPORTED = {
-    "plugins": "precision and distribution go through accelerate (precision=, strategy=)",
     "profiler": "use torch.profiler around fit()",
-    "detect_anomaly": "wrap fit() in torch.autograd.detect_anomaly()",
     "sync_batchnorm": "convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm first",
-    "use_distributed_sampler": "accelerate shards the dataloaders",
     "benchmark": "set torch.backends.cudnn.benchmark yourself",
-    "inference_mode": "evaluation runs under torch.no_grad",
     "model_registry": "not available",
     "enable_autolog_hparams": "hyperparameters always go to the loggers, as with Lightning's default",
 }
@@ -161,6 +159,10 @@ class TrainerArguments:
     reload_dataloaders_every_n_epochs: int = 0
     default_root_dir: Any = None
     enable_autolog_hparams: bool = True
+    plugins: Any = None
+    detect_anomaly: bool = False
+    inference_mode: bool = True
+    use_distributed_sampler: bool = True
     # fasttrain's own
     engine: str = "auto"
     compile_options: Optional[dict] = None
@@ -168,6 +170,8 @@ class TrainerArguments:
     mixed_precision: str = field(init=False, default="no")
     #: seconds between validations for a time-based val_check_interval, else None
     val_check_seconds: Optional[float] = field(init=False, default=None)
+    #: what ``plugins`` chose
+    plugin_set: Plugins = field(init=False, default=None)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -181,6 +185,9 @@ class TrainerArguments:
                 stacklevel=8,  # through rank_zero_warn's wrappers to the Trainer(...) call
             )
         self.mixed_precision = PRECISIONS[self.precision]
+        self.plugin_set = read_plugins(self.plugins, self.precision)
+        if self.plugin_set.mixed_precision is not None:
+            self.mixed_precision = self.plugin_set.mixed_precision
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
         if self.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -222,6 +229,19 @@ class TrainerArguments:
             raise TypeError(
                 f"max_time must be a 'DD:HH:MM:SS' string, a datetime.timedelta or a dict of timedelta arguments, "
                 f"got {self.max_time!r}"
+            )
+        if not self.use_distributed_sampler and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # the launch (torchrun, accelerate launch) has several processes
+            raise ValueError(
+                "use_distributed_sampler=False with several processes is not supported: fasttrain shards every "
+                "dataloader over the processes through accelerate (each process takes every world-th batch). "
+                "Leave use_distributed_sampler=True and pass the unsharded loaders, or train this run with "
+                "lightning.Trainer."
+            )
+        if self.detect_anomaly:
+            rank_zero_info(
+                "You have turned on `Trainer(detect_anomaly=True)`. This will significantly slow down compute speed and"
+                " is recommended only for model debugging."
             )
         self._debugging_flags()
         if self.check_val_every_n_epoch is not None and (
@@ -286,6 +306,11 @@ class TrainerArguments:
             if wanted:
                 raise ValueError(f"`Trainer(barebones=True, {name}={value!r})` was passed. {why}")
             setattr(self, name, off)
+        if self.detect_anomaly:
+            raise ValueError(
+                f"`Trainer(barebones=True, detect_anomaly={self.detect_anomaly!r})` was passed."
+                " Anomaly detection can impact raw speed so it is disabled in barebones mode."
+            )
         rank_zero_info(
             "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have been"
             " disabled to facilitate analyzing the Trainer overhead. Specifically, the following features are"
@@ -352,7 +377,7 @@ def parse_arguments(kwargs: dict) -> TrainerArguments:
     from lightning.pytorch.utilities.argparse import _parse_env_variables
 
     kwargs = {**vars(_parse_env_variables(LightningTrainer)), **kwargs}
-    internal = ("mixed_precision", "val_check_seconds")
+    internal = ("mixed_precision", "val_check_seconds", "plugin_set")
     known = {name for name in TrainerArguments.__dataclass_fields__ if name not in internal}
     for name in kwargs:
         if name in _NOT_SUPPORTED:

@@ -252,6 +252,8 @@ def _choose_engine(lt, requested: str, device) -> str:
                      for o in lt.optimizers if _needs_closure(o)]
         if hooks.callback_methods("on_before_optimizer_step"):
             blockers.append("a callback's on_before_optimizer_step")
+        if lt._args.detect_anomaly:
+            blockers.append("detect_anomaly=True (autograd's anomaly checks run eagerly)")
         target = "eager"
         if not blockers and name == "cudagraph":
             blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
@@ -305,6 +307,7 @@ def _runner(lt, engine: str) -> ModuleRunner:
         handle_signals=False,
     )
     _check_devices(lt, runner._accelerator.num_processes)
+    lt._args.plugin_set.check_environment(runner._accelerator.num_processes, runner._accelerator.process_index)
     lt._runner = runner
     lt._device = runner.device
     return runner

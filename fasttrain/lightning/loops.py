@@ -22,6 +22,7 @@ from lightning.pytorch.loops.utilities import _verify_dataloader_idx_requirement
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
+from fasttrain.lightning.grad_modes import evaluation_context
 
 
 class _Progress:
@@ -345,8 +346,14 @@ def _should_validate(lt, batch_idx: int, last: bool) -> bool:
 
 # ---------------------------------------------------------------------------------- evaluation
 def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
-    """One validation or test run over every loader of ``stage``; returns Lightning's list of
-    logged epoch metrics (one dict per loader)."""
+    """One validation or test run over every loader of ``stage``, hooks included under the
+    run's grad mode (see grad_modes.py); returns Lightning's list of logged epoch metrics (one
+    dict per loader)."""
+    with evaluation_context(lt):
+        return _run_evaluation(lt, runner, stage, sanity)
+
+
+def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     hooks = lt._hooks
     module = lt.lightning_module
     testing = stage == "test"
@@ -446,6 +453,11 @@ def module_hook_overridden(module, name: str) -> bool:
 
 
 def run_predict(lt, runner, loaders) -> list:
+    with evaluation_context(lt):
+        return _run_predict(lt, runner, loaders)
+
+
+def _run_predict(lt, runner, loaders) -> list:
     hooks = lt._hooks
     module = lt.lightning_module
     mode = [m.training for m in module.modules()]

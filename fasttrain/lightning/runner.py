@@ -18,6 +18,7 @@ from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
 from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.fast_log import step_logger
+from fasttrain.lightning.grad_modes import anomaly_context
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -123,7 +124,7 @@ class ModuleRunner(FasttrainTrainer):
         self.lt._load_scaler_state()
         self._decide_step_calls()
         try:
-            with signals.handle_interrupts(self):
+            with signals.handle_interrupts(self), anomaly_context(self.lt):
                 run_fit(self.lt, self)
         finally:
             self._nonfinite.close()

@@ -97,8 +97,18 @@ class Strategy:
         return torch.stack(out)
 
     def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero and os.path.exists(filepath):
+        if not self.is_global_zero:
+            return
+        io = self._trainer._checkpoint_io
+        if io is not None:  # a CheckpointIO plugin removes its own files
+            io.remove_checkpoint(filepath)
+        elif os.path.exists(filepath):
             os.remove(filepath)
+
+    @property
+    def checkpoint_io(self):
+        """The ``CheckpointIO`` plugin given to the Trainer (None: fasttrain's own file writing)."""
+        return self._trainer._checkpoint_io
 
     # ------------------------------------------------------------------ the step
     def backward(self, closure_loss, optimizer=None, *args, **kwargs):

@@ -104,7 +104,9 @@ class Trainer:
         self._train_reloaded_epoch = self._val_reloaded_epoch = float("-inf")
         self._reload_train_data = self._reload_val_data = None
         self.profiler = PassThroughProfiler()
-        self.precision_plugin = Precision()
+        self.precision_plugin = args.plugin_set.precision_plugin or Precision()
+        #: a CheckpointIO plugin's, else None (fasttrain's atomic torch.save and torch.load)
+        self._checkpoint_io = args.plugin_set.checkpoint_io
         self.strategy = Strategy(self)
         self.state = TrainerState()
         self.should_stop = False
@@ -427,13 +429,17 @@ class Trainer:
 
         return predict(self, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only)
 
-    def save_checkpoint(self, filepath, weights_only: bool = False, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise ValueError("save_checkpoint(storage_options=...) is not supported; save to a local path")
-        checkpoint = ckpt_io.dump_checkpoint(self, weights_only)
-        if self.is_global_zero:
-            ckpt_io.write(checkpoint, filepath)
-        self.strategy.barrier("save_checkpoint")
+    def save_checkpoint(self, filepath, weights_only: Optional[bool] = None,
+                        storage_options: Optional[Any] = None) -> None:
+        """Lightning's: ``storage_options`` goes to the ``CheckpointIO`` plugin; without one,
+        the default writer takes none (Lightning's ``TypeError``)."""
+        if self.model is None:
+            raise AttributeError(
+                "Saving a checkpoint is only possible if a model is attached to the Trainer. Did you call"
+                " `Trainer.save_checkpoint()` before calling `Trainer.{fit,validate,test,predict}`?"
+            )
+        with self.profiler.profile("save_checkpoint"):
+            ckpt_io.save(self, filepath, weights_only, storage_options)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
