@@ -63,7 +63,8 @@ def test_without_detect_anomaly_the_fit_runs_with_it_off_as_in_lightning():
     for trainer_cls in BOTH:
         # Lightning turns anomaly detection off for the fit even when it was on (the default False)
         with torch.autograd.set_detect_anomaly(True):
-            _quietly(lambda: trainer_cls(max_epochs=1, callbacks=[Records()], **QUIET).fit(Classifier(), train_loader()))
+            _quietly(lambda: trainer_cls(max_epochs=1, callbacks=[Records()], **QUIET).fit(
+                Classifier(), train_loader()))
         _quietly(lambda: trainer_cls(max_epochs=1, callbacks=[Records()], detect_anomaly=True, **QUIET).fit(
             Classifier(), train_loader()))
     assert seen == ([False] * 6 + [True] * 6) * 2

@@ -272,7 +272,9 @@ class TrainerArguments:
         if not isinstance(self.accumulate_grad_batches, int) or self.accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be a positive int, got {self.accumulate_grad_batches!r}")
         algorithm = self.gradient_clip_algorithm
-        if algorithm is not None and (not isinstance(algorithm, str) or algorithm.lower() not in GRADIENT_CLIP_ALGORITHMS):
+        if algorithm is not None and (
+            not isinstance(algorithm, str) or algorithm.lower() not in GRADIENT_CLIP_ALGORITHMS
+        ):
             raise LightningConfigError(
                 f"`gradient_clip_algorithm` {algorithm} is invalid. "
                 f"Allowed algorithms: {GradClipAlgorithmType.supported_types()}."

@@ -196,6 +196,7 @@ def _setup_hooks(lt, stage) -> None:
     for results in (lt._train_results, lt._val_results, lt._test_results):
         results.reset()
     lt._logger_connector.reset_metrics()
+    lt._pbar_metrics.start_run(lt.progress_bar_callback is not None)
 
 
 def _checkpoint_to_load(lt, fn: TrainerFn, choice: tuple):

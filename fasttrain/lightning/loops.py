@@ -129,6 +129,7 @@ def run_fit(lt, runner) -> None:
     batch_start_hooked = hooks.overridden("on_train_batch_start")
     batch_end_hooked = hooks.overridden("on_train_batch_end")
     schedulers = bool(lt.lr_scheduler_configs)
+    connector, pbar_metrics = lt._logger_connector, lt._pbar_metrics
     while not _fit_done(lt):
         epoch = lt.current_epoch
         if _reload_due(lt, lt._train_reloaded_epoch):
@@ -151,8 +152,6 @@ def run_fit(lt, runner) -> None:
         epoch_loop.batch_progress.current.ready = 0
         epoch_loop.batch_progress.is_last_batch = False
         state.epoch_progress.current.ready += 1
-        progress = lt._progress
-        progress.start_epoch(epoch, num_batches)
         hooks("on_train_epoch_start")
         if iterator is None:
             iterator = iter(loader)  # later epochs: after on_train_epoch_start, as in Lightning
@@ -206,11 +205,15 @@ def run_fit(lt, runner) -> None:
             else:
                 outputs = lt._manual_step(batch, batch_idx)
                 update = True
+            # decided before on_train_batch_end, so that a progress bar reads this batch's
+            # values at a flush there, as Lightning's bar reads them after every batch
+            flush = update and connector.flush_due()
+            if flush:
+                pbar_metrics.refresh()
             if batch_end_hooked:
                 hooks("on_train_batch_end", outputs, batch, batch_idx)
-            if update and lt._logger_connector.flush_due():
+            if flush or (update and lt.should_stop and connector.flush_due()):
                 lt._log_step_metrics()
-                progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
             if _should_validate(lt, batch_idx, last):
                 if lt._load_val_later is not None:
                     _load_deferred_val(lt)
@@ -229,7 +232,6 @@ def run_fit(lt, runner) -> None:
                 break
         iterator = None
         state.epoch_progress.current.processed += 1
-        progress.update(epoch_loop.batch_progress.current.ready, results.metrics(on_step=True)["pbar"])
         lt._epoch_end_metrics_ready()
         hooks.callbacks_only("on_train_epoch_end", monitoring=False)
         hooks.module_hook("on_train_epoch_end")
@@ -242,7 +244,6 @@ def run_fit(lt, runner) -> None:
         epoch_loop._batches_that_stepped += 1
         results.reset()
         state.epoch_progress.current.completed += 1
-        progress.close()
     hooks("on_train_end")
 
 
@@ -363,6 +364,8 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     stage_before = lt.state.stage
     if not sanity:  # the sanity check keeps its own stage
         lt.state.stage = RunningStage.TESTING if testing else RunningStage.VALIDATING
+    if sanity:  # Lightning sets the count when the sanity check's loop starts
+        lt.num_sanity_val_batches = [lt._num_sanity_batches(loader) for loader in loaders]
     results = lt._test_results if testing else lt._val_results
     lt._active_eval_results = results
     results.reset()

@@ -33,7 +33,6 @@ def interrupt(lt, error: BaseException) -> None:
     """Lightning's reaction to an error in a run: the callbacks' ``on_exception`` hooks, then the
     DataModule's (a LightningModule has none), the loggers finalized as failed. The teardown
     hooks do not run."""
-    lt._progress.close()
     lt.state.status = TrainerStatus.INTERRUPTED
     module = lt.lightning_module
     previous = module._current_fx_name if module is not None else None

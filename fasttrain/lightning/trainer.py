@@ -18,7 +18,9 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.registry import _load_external_callbacks
-from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import (
+    Callback, Checkpoint, EarlyStopping, ModelCheckpoint, ProgressBar, Timer,
+)
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.connectors.callback_connector import _validate_callbacks_list
@@ -33,7 +35,7 @@ from fasttrain.lightning.arguments import LightningConfigError, num_batches, par
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
-from fasttrain.lightning.progress import EpochProgress
+from fasttrain.lightning.progress_bars import ProgressBarMetrics, configure_progress_bar
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import Strategy
@@ -96,7 +98,6 @@ class Trainer:
         if self.fast_dev_run:
             # Lightning swaps the loggers for one that records nothing
             self.loggers = [DummyLogger()] if self.loggers else []
-        self._progress = EpochProgress(args.enable_progress_bar)
         #: messages Lightning gives once per trainer (its warning cache)
         self._said: set = set()
         #: the epoch each fit loader was last requested at, and how to request it again
@@ -112,12 +113,15 @@ class Trainer:
         self.should_stop = False
         self.received_sigterm = False
         self._logger_connector = LoggerConnector(self)
+        self._pbar_metrics = ProgressBarMetrics(self._logger_connector)
         self._accelerator_connector = _AcceleratorConnector()
         self._train_results = ResultStore(training=True)
         self._val_results = ResultStore(training=False)
         self._test_results = ResultStore(training=False)
         self._active_eval_results = None
         self.fit_loop = FitLoopState()
+        # what Lightning's ProgressBar.total_val_batches asks the epoch loop
+        self.fit_loop.epoch_loop._should_check_val_epoch = self._should_check_val_epoch
         self._global_step = 0
         self._module = None
         self._runner: Optional[ModuleRunner] = None
@@ -143,6 +147,8 @@ class Trainer:
         self._eval_step_name = "validation_step"
         self._eval_dataloader_idx = None
         self.num_training_batches = 0
+        #: per validation loader, the batches of the last sanity check (set when it starts)
+        self.num_sanity_val_batches: list = []
         self._hooks: Optional[HookCaller] = None
         #: whether the attached module defines validation_step (decided when a run attaches it)
         self._has_val_step = False
@@ -169,6 +175,7 @@ class Trainer:
                 callbacks.append(Timer(duration=args.max_time, interval="step"))
         # callbacks that installed packages register for every Trainer (the entry point group
         # Lightning reads)
+        configure_progress_bar(callbacks, args.enable_progress_bar)
         callbacks.extend(_load_external_callbacks("lightning.pytorch.callbacks_factory"))
         check_supported_callbacks(callbacks)
         _validate_callbacks_list(callbacks)
@@ -294,7 +301,8 @@ class Trainer:
 
     @property
     def progress_bar_metrics(self) -> dict:
-        return self._logger_connector.progress_bar_metrics
+        """Host numbers; with a progress bar, as of the last flush (see progress_bars.py)."""
+        return self._pbar_metrics.get()
 
     @property
     def enable_validation(self) -> bool:
@@ -348,8 +356,14 @@ class Trainer:
         loaders = self._test_loaders
         return loaders[0] if len(loaders) == 1 else (loaders or None)
 
-    #: no Lightning progress-bar callback: LightningModule.print then prints directly
-    progress_bar_callback = None
+    @property
+    def progress_bar_callback(self):
+        """The first ``ProgressBar`` among the callbacks, as in Lightning (None: none)."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
+
+    def _should_check_val_epoch(self) -> bool:
+        every = self.check_val_every_n_epoch
+        return self.enable_validation and (every is None or (self.current_epoch + 1) % every == 0)
 
     @property
     def num_nodes(self) -> int:
@@ -536,6 +550,9 @@ class Trainer:
         # the last batch's step values stay in callback_metrics, as Lightning's per-batch update leaves them
         self._logger_connector.absorb(self._train_results, on_step=True)
         self._logger_connector.on_step = False
+        # the epoch's end: the bar's metrics (the step values and, as in Lightning from here on,
+        # the epoch values) to the host
+        self._pbar_metrics.refresh()
 
     def _collect_epoch_metrics(self, results: ResultStore) -> None:
         self._logger_connector.absorb(results, on_step=False)
@@ -553,6 +570,7 @@ class Trainer:
         values and those logged without a loader index (in the epoch hooks)."""
         connector = self._logger_connector
         logged = connector.absorb(results, on_step=False)
+        self._pbar_metrics.refresh()  # an evaluation's end: the bar's metrics to the host
         connector.log_metrics(logged)
         # SYNC(epoch-end): validate()/test() return host numbers, as Lightning's do
         host = dict(zip(logged, to_host(logged).values()))
