@@ -20,13 +20,10 @@ from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.plugins import Plugins, read_plugins
 
 
-class LightningConfigError(MisconfigurationException, ValueError):
-    """A bad Trainer setting: Lightning's ``MisconfigurationException`` (what Lightning raises
-    there, so ``except MisconfigurationException`` works unchanged) that is also a
-    ``ValueError``."""
 
 PRECISIONS = {
     None: "no", 32: "no", "32": "no", "32-true": "no",
@@ -41,7 +38,6 @@ GRADIENT_CLIP_ALGORITHMS = (None, "norm", "value")
 # Lightning arguments that fasttrain does not implement: an error names them (with why, where
 # a user would expect it to work)
 _NOT_SUPPORTED = {
-    "profiler": "use torch.profiler around fit()",
     "sync_batchnorm": "convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm first",
     "benchmark": "set torch.backends.cudnn.benchmark yourself",
     "model_registry": "not available",
@@ -163,6 +159,7 @@ class TrainerArguments:
     detect_anomaly: bool = False
     inference_mode: bool = True
     use_distributed_sampler: bool = True
+    profiler: Any = None
     # fasttrain's own
     engine: str = "auto"
     compile_options: Optional[dict] = None
@@ -312,6 +309,11 @@ class TrainerArguments:
             raise ValueError(
                 f"`Trainer(barebones=True, detect_anomaly={self.detect_anomaly!r})` was passed."
                 " Anomaly detection can impact raw speed so it is disabled in barebones mode."
+            )
+        if self.profiler is not None:
+            raise ValueError(
+                f"`Trainer(barebones=True, profiler={self.profiler!r})` was passed."
+                " Profiling can impact raw speed so it is disabled in barebones mode."
             )
         rank_zero_info(
             "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have been"

@@ -144,6 +144,16 @@ def save(lt, filepath, weights_only: Optional[bool], storage_options) -> None:
     """``trainer.save_checkpoint``: the checkpoint written by the ``CheckpointIO`` plugin when
     one is given, else atomically by :func:`write` (which, as Lightning's default writer, takes
     no ``storage_options``), on the first process; every process waits for it."""
+    if lt.model is None:
+        raise AttributeError(
+            "Saving a checkpoint is only possible if a model is attached to the Trainer. Did you call"
+            " `Trainer.save_checkpoint()` before calling `Trainer.{fit,validate,test,predict}`?"
+        )
+    with lt.profiler.profile("save_checkpoint"):
+        _save(lt, filepath, weights_only, storage_options)
+
+
+def _save(lt, filepath, weights_only: Optional[bool], storage_options) -> None:
     io = lt._checkpoint_io
     if io is None and storage_options is not None:
         raise TypeError(  # Lightning's default TorchCheckpointIO's words

@@ -40,7 +40,10 @@ from fasttrain.lightning.hooks import (
     module_overrides,
 )
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
+from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks, profiling, timed
+from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import handle_errors, teardown
+from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.runner import ModuleRunner
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -87,9 +90,11 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     lt._load_train_data = None
     # before the hooks are resolved, so the module's callbacks get every hook of this run
     merge_module_callbacks(lt, model)
-    lt._hooks = HookCaller(lt, model, lt.callbacks)
+    lt._hooks = (ProfiledHookCaller if profiling(lt) else HookCaller)(lt, model, lt.callbacks)
     lt._eval_seen = collections.defaultdict(int)
     lt._batch_hooks = _batch_hooks(lt._hooks, model, datamodule)
+    if profiling(lt):
+        profile_batch_hooks(lt, _BATCH_HOOKS)
 
 
 def _batch_hooks(hooks: HookCaller, model, datamodule) -> dict:
@@ -184,11 +189,16 @@ def _setup_hooks(lt, stage) -> None:
     process group is up and the hooks see the launch's ranks (see :func:`_runner`)."""
     hooks = lt._hooks
     dm = lt.datamodule
+    if profiling(lt):
+        start_profiler(lt)
     _prepare_data(lt)
     for logger in lt.loggers:
         getattr(logger, "experiment", None)  # Lightning creates the experiment before setup
     if dm is not None:
-        dm.setup(stage=stage)
+        if profiling(lt):
+            timed(lt.profiler, f"[LightningDataModule]{type(dm).__name__}.setup", dm.setup)(stage=stage)
+        else:
+            dm.setup(stage=stage)
     hooks("setup", stage=stage)
     hooks.module_hook("configure_model")
     # Lightning starts every fit, validate, test and predict with empty results and metric dicts:
@@ -255,6 +265,8 @@ def _choose_engine(lt, requested: str, device) -> str:
             blockers.append("a callback's on_before_optimizer_step")
         if lt._args.detect_anomaly:
             blockers.append("detect_anomaly=True (autograd's anomaly checks run eagerly)")
+        if profiling(lt):
+            blockers.append("a profiler (it times each hook)")
         target = "eager"
         if not blockers and name == "cudagraph":
             blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
@@ -415,7 +427,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     module = lt.lightning_module
     _verify_fit(module)
     if not module.automatic_optimization:
-        _check_manual(lt)
+        check_manual_optimization(lt)
     lt.training = True
     runner = _runner(lt, "eager")
     # once the process group exists (the runner starts it), so that the processes agree
@@ -447,6 +459,10 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     lt._before_step_hooks = hooks.overridden("on_before_optimizer_step")
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
     lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
+    if profiling(lt):
+        # Lightning's path through its hooks, each timed: optimizer_step with its closure,
+        # the module's configure_gradient_clipping applying gradient_clip_val
+        lt._module_steps = lt._custom_clipping = True
     lt._restarting = False
     lt._scaler_state = None
     clip_value = clip_norm = None
@@ -526,23 +542,6 @@ def _barebones_notice(lt) -> None:
             "`Trainer(barebones=True)` started running. The progress bar is disabled so you might want to"
             " manually print the progress in your model."
         )
-
-
-def _check_manual(lt) -> None:
-    # Lightning's checks and words, in its order
-    if lt.gradient_clip_val is not None and lt.gradient_clip_val > 0:
-        raise MisconfigurationException(
-            "Automatic gradient clipping is not supported for manual optimization."
-            f" Remove `Trainer(gradient_clip_val={lt.gradient_clip_val})` or switch to automatic optimization."
-        )
-    if lt.accumulate_grad_batches != 1:
-        raise MisconfigurationException(
-            "Automatic gradient accumulation is not supported for manual optimization."
-            f" Remove `Trainer(accumulate_grad_batches={lt.accumulate_grad_batches})` or switch to automatic"
-            " optimization."
-        )
-    if lt._args.mixed_precision == "fp16":
-        raise ValueError("precision='16-mixed' with manual optimization is not supported; use 'bf16-mixed'")
 
 
 def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_only=None) -> list:

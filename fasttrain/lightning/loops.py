@@ -8,6 +8,7 @@ loggers (every ``log_every_n_steps`` stepping batches: the one host copy of the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
 from fasttrain.lightning.grad_modes import evaluation_context
+from fasttrain.lightning.profiler import profiling, strategy_action, timed, timed_iterator
 
 
 class _Progress:
@@ -130,6 +132,12 @@ def run_fit(lt, runner) -> None:
     batch_end_hooked = hooks.overridden("on_train_batch_end")
     schedulers = bool(lt.lr_scheduler_configs)
     connector, pbar_metrics = lt._logger_connector, lt._pbar_metrics
+    train_step, closure_step, manual_step = engine.train_step, runner.closure_step, lt._manual_step
+    profiler = lt.profiler if profiling(lt) else None
+    if profiler is not None:  # the optimization of each batch timed as Lightning times it
+        train_step = timed(profiler, "run_training_batch", train_step)
+        closure_step = timed(profiler, "run_training_batch", closure_step)
+        manual_step = timed(profiler, "run_training_batch", manual_step)
     while not _fit_done(lt):
         epoch = lt.current_epoch
         if _reload_due(lt, lt._train_reloaded_epoch):
@@ -166,6 +174,9 @@ def run_fit(lt, runner) -> None:
         ended = [False] if num_batches == float("inf") else None
         if ended is not None:
             iterator = _look_ahead(iterator, ended)
+        if profiler is not None:
+            iterator = timed_iterator(profiler, "[_TrainingEpochLoop].train_dataloader_next", iterator)
+            profiler.start("run_training_epoch")
         for batch_idx, batch in _numbered(iterator, first, num_batches):
             last = batch_idx + 1 == num_batches or (ended is not None and ended[0])
             if moves_batches:
@@ -187,9 +198,9 @@ def run_fit(lt, runner) -> None:
             runner.window_start = batch_idx % k == 0
             if module.automatic_optimization:
                 if update and lt._module_steps:
-                    batch_output = runner.closure_step(batch)
+                    batch_output = closure_step(batch)
                 else:
-                    batch_output = engine.train_step(batch, update)
+                    batch_output = train_step(batch, update)
                     if results.pending:
                         results.drain()
                 if update:
@@ -203,7 +214,7 @@ def run_fit(lt, runner) -> None:
                     if last:
                         lt._step_schedulers("epoch", batch_idx)
             else:
-                outputs = lt._manual_step(batch, batch_idx)
+                outputs = manual_step(batch, batch_idx)
                 update = True
             # decided before on_train_batch_end, so that a progress bar reads this batch's
             # values at a flush there, as Lightning's bar reads them after every batch
@@ -231,6 +242,8 @@ def run_fit(lt, runner) -> None:
             if (max_steps != -1 and lt.global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
                 break
         iterator = None
+        if profiler is not None:
+            profiler.stop("run_training_epoch")
         state.epoch_progress.current.processed += 1
         lt._epoch_end_metrics_ready()
         hooks.callbacks_only("on_train_epoch_end", monitoring=False)
@@ -393,12 +406,15 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     logged = []
     with torch.no_grad():
         for loader_idx, loader in enumerate(loaders):
-            count = num_batches(RunningStage.TESTING if testing else RunningStage.VALIDATING, loader, limit)
+            running = RunningStage.TESTING if testing else RunningStage.VALIDATING
+            count = num_batches(running, loader, limit)
             if sanity:
                 count = lt._num_sanity_batches(loader)
             lt._eval_dataloader_idx = loader_idx if several else None
             extra = (loader_idx,) if several else ()
             iterator = first_iterator if loader_idx == 0 else iter(loader)
+            if profiling(lt):
+                iterator = timed_iterator(lt.profiler, f"[_EvaluationLoop].{running.dataloader_prefix}_next", iterator)
             for batch_idx, batch in _numbered(iterator, 0, count):
                 batch = transfer(lt, batch, loader_idx)
                 runner.batch_idx = batch_idx
@@ -471,16 +487,23 @@ def _run_predict(lt, runner, loaders) -> list:
     hooks("on_predict_epoch_start")
     several = len(loaders) > 1
     all_predictions = []
+    predict = functools.partial(runner.model, "predict_step")
+    profiler = lt.profiler if profiling(lt) else None
+    if profiler is not None:
+        predict = timed(profiler, strategy_action(lt, "predict_step"), predict)
     with torch.no_grad():
         for loader_idx, loader in enumerate(loaders):
             count = num_batches(RunningStage.PREDICTING, loader, lt.limit_predict_batches)
             extra = (loader_idx,) if several else ()
             predictions = []
-            for batch_idx, batch in _numbered(iter(loader), 0, count):  # no batch requested past the count
+            iterator = iter(loader)
+            if profiler is not None:
+                iterator = timed_iterator(profiler, "[_PredictionLoop].predict_next", iterator)
+            for batch_idx, batch in _numbered(iterator, 0, count):  # no batch requested past the count
                 batch = transfer(lt, batch, loader_idx)
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
                 module._current_fx_name = "predict_step"
-                output = runner.model("predict_step", *runner.step_args("predict_step", batch, batch_idx, *extra))
+                output = predict(*runner.step_args("predict_step", batch, batch_idx, *extra))
                 if output is None and "predict None" not in lt._said:
                     lt._said.add("predict None")  # once per trainer, as Lightning warns it
                     rank_zero_warn("predict returned None if it was on purpose, ignore this warning...")

@@ -26,7 +26,8 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins import LayerSync, MixedPrecision, Precision
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from fasttrain.lightning.errors import LightningConfigError
 
 # accelerate's mixed precision for the Lightning precision plugins fasttrain runs
 _MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
@@ -89,13 +90,13 @@ def read_plugins(plugins: Any, precision: Any) -> Plugins:
                 "with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fit() instead."
             )
         else:
-            raise MisconfigurationException(
+            raise LightningConfigError(
                 f"Found invalid type for plugin {plugin}. Expected one of: Precision, "
                 "CheckpointIO, ClusterEnvironment, or LayerSync."
             )
     duplicated = [kind for kind, count in kinds.items() if count > 1]
     if duplicated:
-        raise MisconfigurationException(
+        raise LightningConfigError(
             f"Received multiple values for {', '.join(duplicated)} flags in `plugins`."
             " Expected one value for each type at most."
         )

@@ -12,9 +12,9 @@ are host values and move every batch. The metrics they show (``get_metrics``, wh
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
+from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.loggers import to_host
 
 
@@ -23,13 +23,13 @@ def configure_progress_bar(callbacks: list, enabled: bool) -> None:
     error; with none given and the bar enabled, its default bar joins ``callbacks``."""
     bars = [cb for cb in callbacks if isinstance(cb, ProgressBar)]
     if len(bars) > 1:
-        raise MisconfigurationException(
+        raise LightningConfigError(
             "You added multiple progress bar callbacks to the Trainer, but currently only one"
             " progress bar is supported."
         )
     if bars:
         if not enabled:
-            raise MisconfigurationException(
+            raise LightningConfigError(
                 "Trainer was configured with `enable_progress_bar=False`"
                 f" but found `{bars[0].__class__.__name__}` in callbacks list."
             )

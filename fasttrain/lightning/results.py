@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from fasttrain.lightning.errors import LightningConfigError
 
 REDUCTIONS = ("mean", "max", "min", "sum")
 # the callables Lightning accepts (torch's and Python's builtins), by the reduction they name;
@@ -43,7 +44,7 @@ def parse_reduce_fx(reduce_fx):
             name = None
         if name is not None:
             return name, reduce_fx
-    raise MisconfigurationException(
+    raise LightningConfigError(
         "Only `self.log(..., reduce_fx={min,max,mean,sum})` are supported."
         " If you need a custom reduction, please log a `torchmetrics.Metric` instance instead."
         f" Found: {reduce_fx}"
@@ -209,7 +210,7 @@ class ResultStore:
              add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group, metric_attribute=None,
              rank_zero_only=False) -> None:
         if not on_step and not on_epoch:
-            raise MisconfigurationException("`self.log(on_step=False, on_epoch=False)` is not useful.")
+            raise LightningConfigError("`self.log(on_step=False, on_epoch=False)` is not useful.")
         suffix = ""
         if add_dataloader_idx and self.dataloader_idx is not None:
             suffix = f"/dataloader_idx_{self.dataloader_idx}"
@@ -234,7 +235,7 @@ class ResultStore:
         elif options != entry.given_options:
             if add_dataloader_idx and self.dataloader_idx is not None:
                 fx = f"{fx}.{self.dataloader_idx}"
-            raise MisconfigurationException(
+            raise LightningConfigError(
                 f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
         if batch_size is None:

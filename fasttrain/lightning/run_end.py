@@ -26,6 +26,7 @@ def teardown(lt, stage: str) -> None:
     lt.lightning_module._metric_attributes = None
     for logger in lt.loggers:
         logger.finalize("success")
+    lt.profiler.describe()  # the profile's summary, as Lightning ends a run
     lt.state.status = TrainerStatus.FINISHED
 
 

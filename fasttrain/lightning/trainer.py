@@ -25,16 +25,15 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.connectors.callback_connector import _validate_callbacks_list
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
+from fasttrain.lightning.profiler import build_profiler
 from fasttrain.lightning.progress_bars import ProgressBarMetrics, configure_progress_bar
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
@@ -104,7 +103,7 @@ class Trainer:
         #: (reload_dataloaders_every_n_epochs)
         self._train_reloaded_epoch = self._val_reloaded_epoch = float("-inf")
         self._reload_train_data = self._reload_val_data = None
-        self.profiler = PassThroughProfiler()
+        self.profiler = build_profiler(args.profiler)
         self.precision_plugin = args.plugin_set.precision_plugin or Precision()
         #: a CheckpointIO plugin's, else None (fasttrain's atomic torch.save and torch.load)
         self._checkpoint_io = args.plugin_set.checkpoint_io
@@ -447,13 +446,7 @@ class Trainer:
                         storage_options: Optional[Any] = None) -> None:
         """Lightning's: ``storage_options`` goes to the ``CheckpointIO`` plugin; without one,
         the default writer takes none (Lightning's ``TypeError``)."""
-        if self.model is None:
-            raise AttributeError(
-                "Saving a checkpoint is only possible if a model is attached to the Trainer. Did you call"
-                " `Trainer.save_checkpoint()` before calling `Trainer.{fit,validate,test,predict}`?"
-            )
-        with self.profiler.profile("save_checkpoint"):
-            ckpt_io.save(self, filepath, weights_only, storage_options)
+        ckpt_io.save(self, filepath, weights_only, storage_options)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
@@ -514,7 +507,7 @@ class Trainer:
                 monitor_value = self.callback_metrics.get(config.monitor)
                 if monitor_value is None:  # Lightning's error, or its warning with strict=False
                     if config.strict:
-                        raise MisconfigurationException(
+                        raise LightningConfigError(
                             f"ReduceLROnPlateau conditioned on metric {config.monitor}"
                             f" which is not available. Available metrics are: {list(self.callback_metrics)}."
                             " Condition can be set using `monitor` key in lr scheduler dict"
@@ -538,7 +531,7 @@ class Trainer:
                 outputs["loss"] = outputs["loss"].detach()
             return outputs
         if output is not None:
-            raise MisconfigurationException(
+            raise LightningConfigError(
                 "In manual optimization, `training_step` must either return a Tensor or have no return."
             )
         return {}
