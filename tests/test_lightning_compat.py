@@ -18,9 +18,7 @@ from lightning.pytorch.callbacks import (  # noqa: E402
     EarlyStopping,
     GradientAccumulationScheduler,
     ModelCheckpoint,
-    ProgressBar,
     ThroughputMonitor,
-    TQDMProgressBar,
 )
 
 from fasttrain.checkpoint_files import CheckpointError  # noqa: E402
@@ -142,14 +140,8 @@ def test_datamodule_batch_hooks_are_used_like_lightning():
 
 
 # ---------------------------------------------------------------------------------- unsupported callbacks
-class _OwnBar(ProgressBar):
-    pass
-
-
 @pytest.mark.parametrize("make, instead", [
     (lambda: GradientAccumulationScheduler({0: 1, 1: 2}), "accumulate_grad_batches"),
-    (lambda: TQDMProgressBar(refresh_rate=5), "enable_progress_bar=True"),
-    (_OwnBar, "enable_progress_bar=True"),
     (lambda: ThroughputMonitor(batch_size_fn=lambda batch: batch[0].shape[0]), "Callback of your own"),
 ])
 def test_callbacks_fasttrain_cannot_run_are_errors_naming_them(make, instead):

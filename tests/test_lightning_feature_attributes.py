@@ -2,7 +2,7 @@
 lightning.Trainer: init_module, device_ids, num_nodes, num_test_batches/num_predict_batches,
 assignable logger/loggers, PL_TRAINER_* environment defaults, the callbacks_factory entry
 point, default_root_dir "~", the public values of max_epochs/num_sanity_val_steps and
-trainer.state.stage in every loop, and a logger argument that cannot be iterated."""
+trainer.state.stage in every loop."""
 
 import os
 import sys
@@ -17,6 +17,7 @@ import lightning as L  # noqa: E402
 import lightning.fabric.utilities.registry as registry  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.profilers import SimpleProfiler  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
@@ -74,7 +75,9 @@ def test_pl_trainer_environment_defaults_like_lightning(monkeypatch):
         assert (trainer.max_epochs, trainer.limit_val_batches) == (3, 0.5)
         assert trainer_cls(max_epochs=5, **QUIET).max_epochs == 5  # a given argument wins
     monkeypatch.setenv("PL_TRAINER_PROFILER", "'simple'")
-    with pytest.raises(TypeError, match="profiler"):  # one fasttrain does not take is named
+    assert type(Trainer(**QUIET).profiler) is type(L.Trainer(**QUIET).profiler) is SimpleProfiler
+    monkeypatch.setenv("PL_TRAINER_BENCHMARK", "True")
+    with pytest.raises(TypeError, match="benchmark"):  # one fasttrain does not take is named
         Trainer(**QUIET)
 
 
@@ -150,15 +153,3 @@ def test_state_stage_in_every_loop_like_lightning():
         RunningStage.SANITY_CHECKING, RunningStage.TRAINING, RunningStage.VALIDATING, RunningStage.TRAINING,
         RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.PREDICTING,
     ]
-
-
-class _Indexable:
-    """Not a Logger and not iterable, but indexable: list() of it would never end."""
-
-    def __getitem__(self, index):
-        return object()
-
-
-def test_a_logger_argument_that_cannot_be_iterated_is_an_error():
-    with pytest.raises(TypeError, match="logger must be a Lightning Logger"):
-        Trainer(logger=_Indexable(), **{k: v for k, v in QUIET.items() if k != "logger"})

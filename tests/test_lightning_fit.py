@@ -139,8 +139,8 @@ def test_loggers_and_progress_bar_read_at_flushes_only(sync_counter, tmp_path):
 def test_unknown_and_unsupported_arguments_are_named():
     with pytest.raises(TypeError, match="max_epoch"):
         Trainer(max_epoch=3)
-    with pytest.raises(TypeError, match="profiler.*torch.profiler"):
-        Trainer(profiler="simple")
+    with pytest.raises(TypeError, match="benchmark.*cudnn"):
+        Trainer(benchmark=True)
     with pytest.raises(ValueError, match="precision"):
         Trainer(precision="64-true")
     with pytest.raises(ValueError, match="gradient_clip_algorithm"):

@@ -17,16 +17,13 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time_interval_seconds
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning.errors import LightningConfigError
+from fasttrain.lightning.plugins import Plugins, read_plugins
 from fasttrain.lightning.strategy import check_devices_argument, parse_strategy
 
-
-class LightningConfigError(MisconfigurationException, ValueError):
-    """A bad Trainer setting: Lightning's ``MisconfigurationException`` (what Lightning raises
-    there, so ``except MisconfigurationException`` works unchanged) that is also a
-    ``ValueError``."""
 
 PRECISIONS = {
     None: "no", 32: "no", "32": "no", "32-true": "no",
@@ -40,13 +37,8 @@ GRADIENT_CLIP_ALGORITHMS = (None, "norm", "value")
 # Lightning arguments that fasttrain does not implement: an error names them (with why, where
 # a user would expect it to work)
 _NOT_SUPPORTED = {
-    "plugins": "precision and distribution go through accelerate (precision=, strategy=)",
-    "profiler": "use torch.profiler around fit()",
-    "detect_anomaly": "wrap fit() in torch.autograd.detect_anomaly()",
     "sync_batchnorm": "convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm first",
-    "use_distributed_sampler": "accelerate shards the dataloaders",
     "benchmark": "set torch.backends.cudnn.benchmark yourself",
-    "inference_mode": "evaluation runs under torch.no_grad",
     "model_registry": "not available",
     "enable_autolog_hparams": "hyperparameters always go to the loggers, as with Lightning's default",
 }
@@ -162,6 +154,11 @@ class TrainerArguments:
     reload_dataloaders_every_n_epochs: int = 0
     default_root_dir: Any = None
     enable_autolog_hparams: bool = True
+    plugins: Any = None
+    detect_anomaly: bool = False
+    inference_mode: bool = True
+    use_distributed_sampler: bool = True
+    profiler: Any = None
     # fasttrain's own
     engine: str = "auto"
     compile_options: Optional[dict] = None
@@ -169,6 +166,8 @@ class TrainerArguments:
     mixed_precision: str = field(init=False, default="no")
     #: seconds between validations for a time-based val_check_interval, else None
     val_check_seconds: Optional[float] = field(init=False, default=None)
+    #: what ``plugins`` chose
+    plugin_set: Plugins = field(init=False, default=None)
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -182,6 +181,9 @@ class TrainerArguments:
                 stacklevel=8,  # through rank_zero_warn's wrappers to the Trainer(...) call
             )
         self.mixed_precision = PRECISIONS[self.precision]
+        self.plugin_set = read_plugins(self.plugins, self.precision)
+        if self.plugin_set.mixed_precision is not None:
+            self.mixed_precision = self.plugin_set.mixed_precision
         if self.accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
         if self.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
@@ -199,10 +201,20 @@ class TrainerArguments:
             self.num_sanity_val_steps = 2 if self.num_sanity_val_steps is None else self.num_sanity_val_steps
             self.log_every_n_steps = 50 if self.log_every_n_steps is None else self.log_every_n_steps
         # Lightning keeps max_epochs None here and decides 1000 or -1 when a fit starts
-        if self.max_epochs is not None and (not isinstance(self.max_epochs, int) or self.max_epochs < -1):
+        # below -1: Lightning's error; another type fails deep in Lightning's loop (an assertion),
+        # here a clear error
+        if self.max_epochs is not None and (isinstance(self.max_epochs, bool) or not isinstance(self.max_epochs, int)):
             raise ValueError(f"max_epochs must be an int >= -1 (-1: no limit), got {self.max_epochs!r}")
-        if not isinstance(self.max_steps, int) or self.max_steps < -1:
+        if self.max_epochs is not None and self.max_epochs < -1:
+            raise LightningConfigError(
+                f"`max_epochs` must be a non-negative integer or -1. You passed in {self.max_epochs}."
+            )
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int):
             raise ValueError(f"max_steps must be an int >= -1 (-1: no limit), got {self.max_steps!r}")
+        if self.max_steps < -1:
+            raise LightningConfigError(
+                f"`max_steps` must be a non-negative integer or -1 (infinite steps). You passed in {self.max_steps}."
+            )
         for name in ("min_epochs", "min_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -211,6 +223,19 @@ class TrainerArguments:
             raise TypeError(
                 f"max_time must be a 'DD:HH:MM:SS' string, a datetime.timedelta or a dict of timedelta arguments, "
                 f"got {self.max_time!r}"
+            )
+        if not self.use_distributed_sampler and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # the launch (torchrun, accelerate launch) has several processes
+            raise ValueError(
+                "use_distributed_sampler=False with several processes is not supported: fasttrain shards every "
+                "dataloader over the processes through accelerate (each process takes every world-th batch). "
+                "Leave use_distributed_sampler=True and pass the unsharded loaders, or train this run with "
+                "lightning.Trainer."
+            )
+        if self.detect_anomaly:
+            rank_zero_info(
+                "You have turned on `Trainer(detect_anomaly=True)`. This will significantly slow down compute speed and"
+                " is recommended only for model debugging."
             )
         self._debugging_flags()
         if self.check_val_every_n_epoch is not None and (
@@ -240,10 +265,15 @@ class TrainerArguments:
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if not isinstance(self.accumulate_grad_batches, int) or self.accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be a positive int, got {self.accumulate_grad_batches!r}")
-        if self.gradient_clip_algorithm not in GRADIENT_CLIP_ALGORITHMS:
-            raise ValueError(
-                f"gradient_clip_algorithm must be 'norm' or 'value', got {self.gradient_clip_algorithm!r}"
+        algorithm = self.gradient_clip_algorithm
+        if algorithm is not None and (
+            not isinstance(algorithm, str) or algorithm.lower() not in GRADIENT_CLIP_ALGORITHMS
+        ):
+            raise LightningConfigError(
+                f"`gradient_clip_algorithm` {algorithm} is invalid. "
+                f"Allowed algorithms: {GradClipAlgorithmType.supported_types()}."
             )
+        self.gradient_clip_algorithm = algorithm.lower() if algorithm is not None else None
         if self.gradient_clip_val is not None and (
             isinstance(self.gradient_clip_val, bool)
             or not isinstance(self.gradient_clip_val, numbers.Real)
@@ -272,6 +302,16 @@ class TrainerArguments:
             if wanted:
                 raise ValueError(f"`Trainer(barebones=True, {name}={value!r})` was passed. {why}")
             setattr(self, name, off)
+        if self.detect_anomaly:
+            raise ValueError(
+                f"`Trainer(barebones=True, detect_anomaly={self.detect_anomaly!r})` was passed."
+                " Anomaly detection can impact raw speed so it is disabled in barebones mode."
+            )
+        if self.profiler is not None:
+            raise ValueError(
+                f"`Trainer(barebones=True, profiler={self.profiler!r})` was passed."
+                " Profiling can impact raw speed so it is disabled in barebones mode."
+            )
         rank_zero_info(
             "You are running in `Trainer(barebones=True)` mode. All features that may impact raw speed have been"
             " disabled to facilitate analyzing the Trainer overhead. Specifically, the following features are"
@@ -316,8 +356,10 @@ class TrainerArguments:
                 except (MisconfigurationException, TypeError) as error:
                     raise LightningConfigError(str(error)) from None
             else:
+                # a negative value is Lightning's error (below); 0 fails deep in Lightning's loop
+                # (a division by zero), here a clear error
                 if isinstance(interval, bool) or not isinstance(interval, (numbers.Real, type(None))) or (
-                    interval is not None and interval <= 0
+                    interval is not None and interval == 0
                 ):
                     raise ValueError(
                         "val_check_interval must be a positive int (batches), a float in (0, 1], or a time "
@@ -336,7 +378,7 @@ def parse_arguments(kwargs: dict) -> TrainerArguments:
     from lightning.pytorch.utilities.argparse import _parse_env_variables
 
     kwargs = {**vars(_parse_env_variables(LightningTrainer)), **kwargs}
-    internal = ("mixed_precision", "val_check_seconds")
+    internal = ("mixed_precision", "val_check_seconds", "plugin_set")
     known = {name for name in TrainerArguments.__dataclass_fields__ if name not in internal}
     for name in kwargs:
         if name in _NOT_SUPPORTED:

@@ -10,6 +10,7 @@ every_n_train_steps=...)``) resumes at the next batch rather than at the epoch s
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -22,6 +23,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from fasttrain.checkpoint_files import CheckpointError, replaced_atomically
 from fasttrain.engine.hyperparams import plain_optimizer_state
 from fasttrain.lightning.loop_objects import loops_state_dict
+
+log = logging.getLogger(__name__)
 
 _SCALER_KEY = "MixedPrecision"
 
@@ -76,11 +79,46 @@ def write(checkpoint: dict, filepath) -> None:
         torch.save(checkpoint, tmp)
 
 
-def load(path: str, weights_only: Optional[bool] = None) -> dict:
+def save(lt, filepath, weights_only: Optional[bool], storage_options) -> None:
+    """``trainer.save_checkpoint``: the checkpoint written by the ``CheckpointIO`` plugin when
+    one is given, else atomically by :func:`write` (which, as Lightning's default writer, takes
+    no ``storage_options``), on the first process; every process waits for it."""
+    if lt.model is None:
+        raise AttributeError(
+            "Saving a checkpoint is only possible if a model is attached to the Trainer. Did you call"
+            " `Trainer.save_checkpoint()` before calling `Trainer.{fit,validate,test,predict}`?"
+        )
+    with lt.profiler.profile("save_checkpoint"):
+        _save(lt, filepath, weights_only, storage_options)
+
+
+def _save(lt, filepath, weights_only: Optional[bool], storage_options) -> None:
+    io = lt._checkpoint_io
+    if io is None and storage_options is not None:
+        raise TypeError(  # Lightning's default TorchCheckpointIO's words
+            "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+            " is not supported for `TorchCheckpointIO`. Please implement your custom `CheckpointIO`"
+            " to define how you'd like to use `storage_options`."
+        )
+    if weights_only is None:
+        log.info("`weights_only` was not set, defaulting to `False`.")
+    checkpoint = dump_checkpoint(lt, bool(weights_only))
+    if lt.is_global_zero:
+        if io is None:
+            write(checkpoint, filepath)
+        else:
+            io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+    lt.strategy.barrier("Trainer.save_checkpoint")
+
+
+def load(path: str, weights_only: Optional[bool] = None, io=None) -> dict:
     """``torch.load`` of a checkpoint as Lightning loads a local file: ``weights_only`` is passed
     on, and None leaves the choice to torch (safe loading: tensors and plain Python values only,
     unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), so a file carrying other pickled objects
-    (whose unpickling can run code) is refused with an error saying how to load it when trusted."""
+    (whose unpickling can run code) is refused with an error saying how to load it when trusted.
+    A ``CheckpointIO`` plugin (``io``) reads the file instead, as under Lightning."""
+    if io is not None:
+        return io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as error:
@@ -97,7 +135,7 @@ def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
     """Load a Lightning-format checkpoint and restore the module from it: its
     ``on_load_checkpoint`` hook, then its weights. Returns the checkpoint. ``weights_only`` as
     for :func:`load`."""
-    checkpoint = load(path, weights_only)
+    checkpoint = load(path, weights_only, lt._checkpoint_io)
     for key in ("pytorch-lightning_version", "state_dict"):
         if key not in checkpoint:
             raise KeyError(f"{path} is not a Lightning checkpoint: it lacks {key!r}")

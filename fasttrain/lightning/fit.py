@@ -9,7 +9,7 @@ import inspect
 import warnings
 from types import SimpleNamespace
 
-from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset, sized_len
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
@@ -41,7 +41,10 @@ from fasttrain.lightning.hooks import (
 )
 from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
+from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks, profiling, timed
+from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import handle_errors, teardown
+from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import check_launch
 
@@ -92,9 +95,11 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     lt._load_train_data = None
     # before the hooks are resolved, so the module's callbacks get every hook of this run
     merge_module_callbacks(lt, model)
-    lt._hooks = HookCaller(lt, model, lt.callbacks)
+    lt._hooks = (ProfiledHookCaller if profiling(lt) else HookCaller)(lt, model, lt.callbacks)
     lt._eval_seen = collections.defaultdict(int)
     lt._batch_hooks = _batch_hooks(lt._hooks, model, datamodule)
+    if profiling(lt):
+        profile_batch_hooks(lt, _BATCH_HOOKS)
 
 
 def _batch_hooks(hooks: HookCaller, model, datamodule) -> dict:
@@ -156,6 +161,13 @@ def _process_loader(lt, loader, stage: RunningStage):
             category=PossibleUserWarning,
         )
     _worker_check(lt, loader, name)
+    if has_iterable_dataset(loader) and sized_len(loader) is not None:
+        rank_zero_warn(  # Lightning's words
+            "Your `IterableDataset` has `__len__` defined."
+            " In combination with multi-process data loading (when num_workers > 1),"
+            " `__len__` could be inaccurate if each worker is not configured independently"
+            " to avoid having duplicate data."
+        )
     if lt.state.fn != TrainerFn.FITTING:
         _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
     return loader
@@ -182,11 +194,16 @@ def _setup_hooks(lt, stage) -> None:
     process group is up and the hooks see the launch's ranks (see :func:`_runner`)."""
     hooks = lt._hooks
     dm = lt.datamodule
+    if profiling(lt):
+        start_profiler(lt)
     _prepare_data(lt)
     for logger in lt.loggers:
         getattr(logger, "experiment", None)  # Lightning creates the experiment before setup
     if dm is not None:
-        dm.setup(stage=stage)
+        if profiling(lt):
+            timed(lt.profiler, f"[LightningDataModule]{type(dm).__name__}.setup", dm.setup)(stage=stage)
+        else:
+            dm.setup(stage=stage)
     hooks("setup", stage=stage)
     hooks.module_hook("configure_model")
     # Lightning starts every fit, validate, test and predict with empty results and metric dicts:
@@ -194,6 +211,7 @@ def _setup_hooks(lt, stage) -> None:
     for results in (lt._train_results, lt._val_results, lt._test_results):
         results.reset()
     lt._logger_connector.reset_metrics()
+    lt._pbar_metrics.start_run(lt.progress_bar_callback is not None)
 
 
 def _checkpoint_to_load(lt, fn: TrainerFn, choice: tuple):
@@ -250,6 +268,10 @@ def _choose_engine(lt, requested: str, device) -> str:
                      for o in lt.optimizers if _needs_closure(o)]
         if hooks.callback_methods("on_before_optimizer_step"):
             blockers.append("a callback's on_before_optimizer_step")
+        if lt._args.detect_anomaly:
+            blockers.append("detect_anomaly=True (autograd's anomaly checks run eagerly)")
+        if profiling(lt):
+            blockers.append("a profiler (it times each hook)")
         target = "eager"
         if not blockers and name == "cudagraph":
             blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
@@ -277,6 +299,7 @@ def _runner(lt, engine: str) -> ModuleRunner:
         handle_signals=False,
     )
     check_launch(lt, runner._accelerator.num_processes)
+    lt._args.plugin_set.check_environment(runner._accelerator.num_processes, runner._accelerator.process_index)
     lt._runner = runner
     lt._device = runner.device
     return runner
@@ -382,6 +405,8 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     _check_validation_setup(lt, val_dataloaders)
     module = lt.lightning_module
     _verify_fit(module)
+    if not module.automatic_optimization:
+        check_manual_optimization(lt)
     lt.training = True
     runner = _runner(lt, "eager")
     # once the process group exists (the runner starts it), so that the processes agree
@@ -406,8 +431,6 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
             f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization takes one. "
             "Set self.automatic_optimization = False to step several yourself."
         )
-    if not module.automatic_optimization:
-        _check_manual(lt)
     lt._wrap_optimizers()
     hooks = lt._hooks
     lt._module_steps = module_overrides(module, "optimizer_step") or any(map(_needs_closure, optimizers))
@@ -415,6 +438,10 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     lt._before_step_hooks = hooks.overridden("on_before_optimizer_step")
     lt._own_zero_grad = hooks.overridden("on_before_zero_grad") or module_overrides(module, "optimizer_zero_grad")
     lt._plain_backward_hooks = not any(hooks.overridden(h) for h in ("backward", "on_before_backward", "on_after_backward"))
+    if profiling(lt):
+        # Lightning's path through its hooks, each timed: optimizer_step with its closure,
+        # the module's configure_gradient_clipping applying gradient_clip_val
+        lt._module_steps = lt._custom_clipping = True
     lt._restarting = False
     lt.fit_loop._resume = None
     lt._scaler_state = None
@@ -496,21 +523,6 @@ def _barebones_notice(lt) -> None:
             "`Trainer(barebones=True)` started running. The progress bar is disabled so you might want to"
             " manually print the progress in your model."
         )
-
-
-def _check_manual(lt) -> None:
-    if lt.accumulate_grad_batches != 1:
-        raise ValueError(
-            "accumulate_grad_batches does not apply under manual optimization; accumulate in training_step "
-            "(step the optimizer every N batches) and leave accumulate_grad_batches=1"
-        )
-    if lt.gradient_clip_val:
-        raise ValueError(
-            "gradient_clip_val does not apply under manual optimization; call self.clip_gradients(opt, ...) "
-            "in training_step instead"
-        )
-    if lt._args.mixed_precision == "fp16":
-        raise ValueError("precision='16-mixed' with manual optimization is not supported; use 'bf16-mixed'")
 
 
 def evaluate(lt, stage: str, model, dataloaders, ckpt_path, datamodule, weights_only=None) -> list:

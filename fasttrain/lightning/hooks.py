@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import (
     Checkpoint,
     EarlyStopping,
     GradientAccumulationScheduler,
-    ProgressBar,
     ThroughputMonitor,
 )
 from lightning.pytorch.utilities import rank_zero_info
@@ -68,10 +67,6 @@ _UNSUPPORTED_CALLBACKS = (
     (GradientAccumulationScheduler,
      "fasttrain keeps one accumulation for the whole fit; set Trainer(accumulate_grad_batches=N), or fit in "
      "stages (one Trainer per accumulation, resuming with fit(ckpt_path=...))"),
-    (ProgressBar,
-     "fasttrain draws its own progress bar (moved at the log flushes, so it reads no value from the device per "
-     "step); leave the bar out of callbacks and set Trainer(enable_progress_bar=True), with a smaller "
-     "log_every_n_steps to move it more often"),
     (ThroughputMonitor,
      "it times every batch (synchronising the device each step) through loop internals fasttrain does not "
      "have; time epochs in a Callback of your own (on_train_epoch_start/on_train_epoch_end)"),

@@ -7,17 +7,16 @@ ends, in one packed device-to-host copy of all logged values.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Dict
 
 import torch
-from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 
 def build_loggers(logger, root_dir: str) -> list:
     """Lightning's ``logger=`` argument as a list of loggers (``True``/``None``: TensorBoard when
     installed, else CSV, under ``default_root_dir``)."""
-    if logger is False:
-        return []
     if logger is None or logger is True:
         try:
             import tensorboard  # noqa: F401
@@ -25,19 +24,15 @@ def build_loggers(logger, root_dir: str) -> list:
             return [TensorBoardLogger(save_dir=root_dir)]
         except ImportError:
             return [CSVLogger(save_dir=root_dir)]
-    if isinstance(logger, Logger):
-        return [logger]
-    if not hasattr(logger, "__iter__"):
-        # list() of an object with only __getitem__ would index it until an IndexError that
-        # may never come
-        raise TypeError(
-            f"logger must be a Lightning Logger, an iterable of them, True or False; got {type(logger).__name__}"
-        )
-    loggers = list(logger)
-    for item in loggers:
-        if not isinstance(item, Logger):
-            raise TypeError(f"logger must be a Lightning Logger, a list of them, True or False; got {type(item).__name__}")
-    return loggers
+    # Lightning's reading: an iterable (by the collections.abc test, so an object with only
+    # __getitem__ is not iterated, which could index it forever) is a list of loggers, anything
+    # else one logger; neither is type-checked, so a duck-typed logger works, and an object that
+    # is no logger fails where Lightning's fails, when the run first uses it
+    if not logger:  # False, or an empty list
+        return []
+    if isinstance(logger, Iterable):
+        return list(logger)
+    return [logger]
 
 
 def to_host(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:

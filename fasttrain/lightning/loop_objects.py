@@ -58,11 +58,13 @@ class EvaluationLoop(_Loop):
     the batch progress over all loaders of a run (``total`` counts on over runs; a fit's
     validation total restarts with each training epoch) and the loaders' batch counts."""
 
-    def __init__(self, trainer, trainer_fn: TrainerFn, stage: RunningStage, verbose: bool = True) -> None:
+    def __init__(
+        self, trainer, trainer_fn: TrainerFn, stage: RunningStage, verbose: bool = True, inference_mode: bool = True
+    ) -> None:
         super().__init__(trainer)
         self.verbose = verbose
-        #: fasttrain evaluates under torch.no_grad (docs/lightning.md)
-        self.inference_mode = False
+        #: torch.inference_mode (else torch.no_grad) around a run (see grad_modes.py)
+        self.inference_mode = inference_mode
         self.batch_progress = _BatchProgress()
         self._max_batches: list = []
         #: whether a batch outside the sanity check ran in the current validation
@@ -109,9 +111,9 @@ class PredictionLoop(_Loop):
     ``BasePredictionWriter`` reads (``current_batch_indices``, ``epoch_batch_indices``), the
     predictions kept and ``return_predictions``."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer, inference_mode: bool = True) -> None:
         super().__init__(trainer)
-        self.inference_mode = False
+        self.inference_mode = inference_mode
         #: loaders x batches x sample indices, kept for a writer that writes at the epoch's end
         self.epoch_batch_indices: list = []
         #: the sample indices of the current batch, for a writer that writes per batch
@@ -206,7 +208,10 @@ class TrainingEpochLoop(_Loop):
         self.scheduler_progress = _SchedulerProgress()
         self.automatic_optimization = _AutomaticOptimization(trainer)
         self.manual_optimization = _ManualOptimization(trainer)
-        self.val_loop = EvaluationLoop(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, verbose=False)
+        # a fit's validation runs under torch.no_grad, as in Lightning
+        self.val_loop = EvaluationLoop(
+            trainer, TrainerFn.FITTING, RunningStage.VALIDATING, verbose=False, inference_mode=False
+        )
         self._batches_that_stepped = 0
 
     @property
@@ -223,6 +228,12 @@ class TrainingEpochLoop(_Loop):
         if module is None or module.automatic_optimization:
             return self.automatic_optimization.optim_progress.optimizer.step.total.completed
         return self.manual_optimization.optim_step_progress.total.completed
+
+    def _should_check_val_epoch(self) -> bool:
+        """Whether the current epoch validates (what Lightning's ``ProgressBar.total_val_batches``
+        asks)."""
+        every = self.trainer.check_val_every_n_epoch
+        return self.trainer.enable_validation and (every is None or (self.trainer.current_epoch + 1) % every == 0)
 
     def on_save_checkpoint(self) -> dict:
         return {"_batches_that_stepped": self._batches_that_stepped}
@@ -412,11 +423,13 @@ class LoopProperties:
     (``max_epochs`` is ``fit_loop.max_epochs``, ``global_step`` the optimizer steps counted by
     ``fit_loop.epoch_loop``, ...)."""
 
-    def _build_loops(self) -> None:
+    def _build_loops(self, inference_mode: bool = True) -> None:
         self.fit_loop = FitLoop(self)
-        self.validate_loop = EvaluationLoop(self, TrainerFn.VALIDATING, RunningStage.VALIDATING)
-        self.test_loop = EvaluationLoop(self, TrainerFn.TESTING, RunningStage.TESTING)
-        self.predict_loop = PredictionLoop(self)
+        self.validate_loop = EvaluationLoop(
+            self, TrainerFn.VALIDATING, RunningStage.VALIDATING, inference_mode=inference_mode
+        )
+        self.test_loop = EvaluationLoop(self, TrainerFn.TESTING, RunningStage.TESTING, inference_mode=inference_mode)
+        self.predict_loop = PredictionLoop(self, inference_mode=inference_mode)
 
     @property
     def current_epoch(self) -> int:

@@ -8,6 +8,7 @@ loggers (every ``log_every_n_steps`` stepping batches: the one host copy of the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -19,9 +20,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from lightning.pytorch.loops.utilities import _verify_dataloader_idx_requirement
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
+from fasttrain.lightning.grad_modes import evaluation_context
+from fasttrain.lightning.profiler import profiling, strategy_action, timed, timed_iterator
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -113,6 +117,13 @@ def run_fit(lt, runner) -> None:
     optimizer_counts = epoch_loop.automatic_optimization.optim_progress.optimizer
     steps, zero_grads = optimizer_counts.step, optimizer_counts.zero_grad
     count_zero_grad = not lt._own_zero_grad  # else counted around the zero-grad hooks (runner)
+    connector, pbar_metrics = lt._logger_connector, lt._pbar_metrics
+    train_step, closure_step, manual_step = engine.train_step, runner.closure_step, lt._manual_step
+    profiler = lt.profiler if profiling(lt) else None
+    if profiler is not None:  # the optimization of each batch timed as Lightning times it
+        train_step = timed(profiler, "run_training_batch", train_step)
+        closure_step = timed(profiler, "run_training_batch", closure_step)
+        manual_step = timed(profiler, "run_training_batch", manual_step)
     while not _fit_done(lt):
         epoch = lt.current_epoch
         if _reload_due(lt, lt._train_reloaded_epoch):
@@ -132,8 +143,6 @@ def run_fit(lt, runner) -> None:
         # not reset here: values logged in on_train_start count in the first epoch, as in
         # Lightning (the store is reset when a run starts and after each epoch's metrics)
         results = lt._train_results
-        progress = lt._progress
-        progress.start_epoch(epoch, num_batches)
         # a fit resumed inside an epoch continues it without a new start (Lightning's rule), from
         # the batch it stopped at, on a fresh iterator: the epoch takes the loader's first
         # remaining-count batches, as Lightning's does
@@ -155,6 +164,9 @@ def run_fit(lt, runner) -> None:
         ended = [False] if num_batches == float("inf") else None
         if ended is not None:
             iterator = _look_ahead(iterator, ended)
+        if profiler is not None:
+            iterator = timed_iterator(profiler, "[_TrainingEpochLoop].train_dataloader_next", iterator)
+            profiler.start("run_training_epoch")
         for batch_idx, batch in _numbered(iterator, first, num_batches):
             last = batch_idx + 1 == num_batches or (ended is not None and ended[0])
             batches.is_last_batch = last
@@ -181,9 +193,9 @@ def run_fit(lt, runner) -> None:
                 if update:
                     steps.increment_ready()
                 if update and lt._module_steps:
-                    batch_output = runner.closure_step(batch)
+                    batch_output = closure_step(batch)
                 else:
-                    batch_output = engine.train_step(batch, update)
+                    batch_output = train_step(batch, update)
                     if results.pending:
                         results.drain()
                     if window_start and count_zero_grad:
@@ -201,17 +213,21 @@ def run_fit(lt, runner) -> None:
                     if last:
                         lt._step_schedulers("epoch", batch_idx)
             else:
-                outputs = lt._manual_step(batch, batch_idx)
+                outputs = manual_step(batch, batch_idx)
                 update = True
                 current.processed += 1
                 total.processed += 1
+            # decided before on_train_batch_end, so that a progress bar reads this batch's
+            # values at a flush there, as Lightning's bar reads them after every batch
+            flush = update and connector.flush_due()
+            if flush:
+                pbar_metrics.refresh()
             if batch_end_hooked:
                 hooks("on_train_batch_end", outputs, batch, batch_idx)
             current.completed += 1
             total.completed += 1
-            if update and lt._logger_connector.flush_due():
+            if flush or (update and lt.should_stop and connector.flush_due()):
                 lt._log_step_metrics()
-                progress.update(batch_idx + 1, results.metrics(on_step=True)["pbar"])
             if _should_validate(lt, batch_idx, last):
                 if lt._load_val_later is not None:
                     _load_deferred_val(lt)
@@ -231,8 +247,9 @@ def run_fit(lt, runner) -> None:
             if (max_steps != -1 and lt.global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
                 break
         iterator = None
+        if profiler is not None:
+            profiler.stop("run_training_epoch")
         epochs.increment_processed()
-        progress.update(current.ready, results.metrics(on_step=True)["pbar"])
         lt._epoch_end_metrics_ready()
         hooks.callbacks_only("on_train_epoch_end", monitoring=False)
         hooks.module_hook("on_train_epoch_end")
@@ -248,7 +265,6 @@ def run_fit(lt, runner) -> None:
         results.reset()
         epochs.increment_completed()
         lt._restarting = False  # the first epoch after a resume has run
-        progress.close()
     hooks("on_train_end")
 
 
@@ -356,8 +372,14 @@ def _should_validate(lt, batch_idx: int, last: bool) -> bool:
 
 # ---------------------------------------------------------------------------------- evaluation
 def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
-    """One validation or test run over every loader of ``stage``; returns Lightning's list of
-    logged epoch metrics (one dict per loader)."""
+    """One validation or test run over every loader of ``stage``, hooks included under the
+    run's grad mode (see grad_modes.py); returns Lightning's list of logged epoch metrics (one
+    dict per loader)."""
+    with evaluation_context(lt):
+        return _run_evaluation(lt, runner, stage, sanity)
+
+
+def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     hooks = lt._hooks
     module = lt.lightning_module
     testing = stage == "test"
@@ -388,6 +410,7 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     # as in Lightning, the first loader's iterator exists before the hooks, the others' are
     # created when their turn comes, and no batch is requested past a loader's count
     first_iterator = iter(loaders[0]) if loaders else None
+    verify_dataloader_idx(module, prefix, lt.state.stage, len(loaders) > 1)
     hooks.module_hook(f"on_{prefix}_model_eval")
     hooks(f"on_{prefix}_start")
     hooks(f"on_{prefix}_epoch_start")
@@ -402,6 +425,8 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
             ended = [False] if ends is None else None
             if ended is not None:
                 iterator = _look_ahead(iterator, ended)
+            if profiling(lt):
+                iterator = timed_iterator(lt.profiler, f"[_EvaluationLoop].{running.dataloader_prefix}_next", iterator)
             for batch_idx, batch in _numbered(iterator, 0, count):
                 progress.is_last_batch = ends == batch_idx + 1 if ended is None else ended[0]
                 batch = transfer(lt, batch, loader_idx)
@@ -455,6 +480,15 @@ def _last_batch_flags(counts: list) -> list:
     return [(None if count == float("inf") else count) if i == final else 0 for i, count in enumerate(counts)]
 
 
+def verify_dataloader_idx(module, prefix: str, stage: RunningStage, several: bool) -> None:
+    """Lightning's check, before an evaluation or prediction loop starts, that the step and batch
+    hooks take a ``dataloader_idx`` exactly when several loaders run (its RuntimeError naming the
+    hook, rather than a TypeError from the call)."""
+    step = "validation_step" if prefix == "validation" else f"{prefix}_step"
+    _verify_dataloader_idx_requirement((step,), several, stage, module)
+    _verify_dataloader_idx_requirement((f"on_{prefix}_batch_start", f"on_{prefix}_batch_end"), several, stage, module)
+
+
 def module_hook_overridden(module, name: str) -> bool:
     """Lightning's test (``is_overridden``): a hook set on the instance that wraps the base
     class's method (``functools.wraps``, ``Mock(wraps=...)``, ``partial``) is not an override."""
@@ -462,8 +496,14 @@ def module_hook_overridden(module, name: str) -> bool:
 
 
 def run_predict(lt, runner, loaders):
-    """One prediction run over ``loaders``; returns the predictions (one list per loader when
-    there are several) when ``predict_loop.return_predictions``, else None."""
+    """One prediction run over ``loaders``, hooks included under the run's grad mode (see
+    grad_modes.py); returns the predictions (one list per loader when there are several) when
+    ``predict_loop.return_predictions``, else None."""
+    with evaluation_context(lt):
+        return _run_predict(lt, runner, loaders)
+
+
+def _run_predict(lt, runner, loaders):
     hooks = lt._hooks
     module = lt.lightning_module
     loop = lt.predict_loop
@@ -473,10 +513,15 @@ def run_predict(lt, runner, loaders):
     keep = loop.keeps_predictions()
     mode = [m.training for m in module.modules()]
     lt.predicting = True
+    verify_dataloader_idx(module, "predict", RunningStage.PREDICTING, len(loaders) > 1)
     hooks.module_hook("on_predict_model_eval")
     hooks("on_predict_start")
     hooks("on_predict_epoch_start")
     several = len(loaders) > 1
+    predict = functools.partial(runner.model, "predict_step")
+    profiler = lt.profiler if profiling(lt) else None
+    if profiler is not None:
+        predict = timed(profiler, strategy_action(lt, "predict_step"), predict)
     with torch.no_grad():
         for loader_idx, (loader, count, ends) in enumerate(zip(loaders, counts, _last_batch_flags(counts))):
             extra = (loader_idx,) if several else ()
@@ -484,6 +529,8 @@ def run_predict(lt, runner, loaders):
             ended = [False] if ends is None else None
             if ended is not None:
                 iterator = _look_ahead(iterator, ended)
+            if profiler is not None:
+                iterator = timed_iterator(profiler, "[_PredictionLoop].predict_next", iterator)
             for batch_idx, batch in _numbered(iterator, 0, count):  # no batch requested past the count
                 progress.is_last_batch = ends == batch_idx + 1 if ended is None else ended[0]
                 batch = transfer(lt, batch, loader_idx)
@@ -492,7 +539,7 @@ def run_predict(lt, runner, loaders):
                 hooks("on_predict_batch_start", batch, batch_idx, *extra)
                 progress.increment_started()
                 module._current_fx_name = "predict_step"
-                output = runner.model("predict_step", *runner.step_args("predict_step", batch, batch_idx, *extra))
+                output = predict(*runner.step_args("predict_step", batch, batch_idx, *extra))
                 if output is None and "predict None" not in lt._said:
                     lt._said.add("predict None")  # once per trainer, as Lightning warns it
                     rank_zero_warn("predict returned None if it was on purpose, ignore this warning...")

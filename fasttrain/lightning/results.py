@@ -17,28 +17,38 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from fasttrain.lightning.errors import LightningConfigError
+
 REDUCTIONS = ("mean", "max", "min", "sum")
-_REDUCE_ALIASES = {
-    torch.mean: "mean",
-    torch.max: "max",
-    torch.min: "min",
-    torch.sum: "sum",
-    "avg": "mean",
-    "maximum": "max",
-    "minimum": "min",
+# the callables Lightning accepts (torch's and Python's builtins), by the reduction they name;
+# every reduction runs on the device (a builtin ``max`` of two tensors would read them on the host)
+_CALLABLE_REDUCTIONS = {
+    torch.mean: "mean", torch.max: "max", max: "max", torch.min: "min", min: "min", torch.sum: "sum", sum: "sum",
 }
 
 
-def reduction_name(reduce_fx) -> str:
-    """Lightning's accepted spellings of ``reduce_fx`` as one of :data:`REDUCTIONS`."""
-    name = _REDUCE_ALIASES.get(reduce_fx, reduce_fx)
-    if name not in REDUCTIONS:
-        raise ValueError(
-            f"self.log(..., reduce_fx={reduce_fx!r}) is not supported; use one of "
-            f"{', '.join(map(repr, REDUCTIONS))} (or torch.mean/max/min/sum), or log a torchmetrics "
-            "Metric for any other reduction."
-        )
-    return name
+def parse_reduce_fx(reduce_fx):
+    """``(reduction, key)``: one of :data:`REDUCTIONS`, and the value Lightning keeps for
+    ``reduce_fx`` and compares between two calls logging one key (a string becomes torch's
+    function: ``"max"`` and ``torch.max`` are the same option, Python's ``max`` another). Any
+    other value is Lightning's ``MisconfigurationException``."""
+    if isinstance(reduce_fx, str):
+        name = reduce_fx.lower()
+        name = "mean" if name == "avg" else name
+        if name in REDUCTIONS:
+            return name, getattr(torch, name)
+    else:
+        try:
+            name = _CALLABLE_REDUCTIONS.get(reduce_fx)
+        except TypeError:  # not hashable
+            name = None
+        if name is not None:
+            return name, reduce_fx
+    raise LightningConfigError(
+        "Only `self.log(..., reduce_fx={min,max,mean,sum})` are supported."
+        " If you need a custom reduction, please log a `torchmetrics.Metric` instance instead."
+        f" Found: {reduce_fx}"
+    )
 
 
 def extract_batch_size(batch) -> Optional[int]:
@@ -183,10 +193,11 @@ class ResultStore:
             # changing host state (counts, which keys exist), which would be guarded on and
             # recompile the step every time it changes. :meth:`drain` files the values eagerly.
             self.pending.append((fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
-                                 add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group))
+                                 add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group,
+                                 metric_attribute, rank_zero_only))
             return
         self._log(fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
-                  batch_size, sync_dist, sync_dist_fn, sync_dist_group)
+                  batch_size, sync_dist, sync_dist_fn, sync_dist_group, metric_attribute, rank_zero_only)
 
     def drain(self) -> None:
         """File the values recorded inside a compiled step."""
@@ -196,7 +207,10 @@ class ResultStore:
         pending.clear()
 
     def _log(self, fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
-             add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group) -> None:
+             add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group, metric_attribute=None,
+             rank_zero_only=False) -> None:
+        if not on_step and not on_epoch:
+            raise LightningConfigError("`self.log(on_step=False, on_epoch=False)` is not useful.")
         suffix = ""
         if add_dataloader_idx and self.dataloader_idx is not None:
             suffix = f"/dataloader_idx_{self.dataloader_idx}"
@@ -206,19 +220,23 @@ class ResultStore:
         if sync_dist and sync_dist_fn is not None and not is_metric:
             sync = _Sync(sync_dist_fn, sync_dist_group)
         entry = self.entries.get(key)
-        options = (on_step, on_epoch, reduce_fx, prog_bar, logger, enable_graph, sync is not None, is_metric)
+        reduce, reduce_key = parse_reduce_fx(reduce_fx)
+        # what Lightning compares between two calls logging one key (its metadata)
+        options = (on_step, on_epoch, reduce_key, prog_bar, logger, enable_graph, add_dataloader_idx,
+                   metric_attribute, sync_dist, sync_dist_group, rank_zero_only, is_metric)
         if entry is None:
             entry = LoggedValue(
-                fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduction_name(reduce_fx), prog_bar=prog_bar,
+                fx, name, on_step=on_step, on_epoch=on_epoch, reduce=reduce, prog_bar=prog_bar,
                 logger=logger, enable_graph=enable_graph, sync=sync, metric=value if is_metric else None,
                 suffix=suffix,
             )
             entry.given_options = options
             self.entries[key] = entry
         elif options != entry.given_options:
-            raise ValueError(
-                f"self.log({name!r}, ...) was called twice in {fx!r} with different options; log one "
-                "key with the same on_step/on_epoch/reduce_fx/prog_bar/logger/sync_dist every time."
+            if add_dataloader_idx and self.dataloader_idx is not None:
+                fx = f"{fx}.{self.dataloader_idx}"
+            raise LightningConfigError(
+                f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
         if batch_size is None:
             batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1

@@ -26,6 +26,7 @@ def teardown(lt, stage: str) -> None:
     lt.lightning_module._metric_attributes = None
     for logger in lt.loggers:
         logger.finalize("success")
+    lt.profiler.describe()  # the profile's summary, as Lightning ends a run
     lt.state.status = TrainerStatus.FINISHED
     lt.state.stage = None
 
@@ -34,7 +35,6 @@ def interrupt(lt, error: BaseException) -> None:
     """Lightning's reaction to an error in a run: the callbacks' ``on_exception`` hooks, then the
     DataModule's (a LightningModule has none), the loggers finalized as failed. The teardown
     hooks do not run."""
-    lt._progress.close()
     lt.state.status = TrainerStatus.INTERRUPTED
     module = lt.lightning_module
     previous = module._current_fx_name if module is not None else None

@@ -19,7 +19,9 @@ from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
 from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.fast_log import step_logger
+from fasttrain.lightning.grad_modes import anomaly_context
 from fasttrain.lightning.graph_logging import LoggedCalls
+from fasttrain.lightning.profiler import profiling, strategy_action, timed
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -71,6 +73,17 @@ class ModuleRunner(FasttrainTrainer):
         self._full_precision = self._accelerator.mixed_precision == "no"
         # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
         module = self.lt.lightning_module
+        self._strategy_backward = self.lt.strategy.backward
+        if profiling(self.lt):  # the steps and backward timed under the strategy's names, as in Lightning
+            profiler, lt = self.lt.profiler, self.lt
+            self._strategy_backward = timed(profiler, strategy_action(lt, "backward"), lt.strategy.backward)
+            plain_run_step = ModuleRunner.run_step.__get__(self)
+
+            def run_step(name: str, *args):
+                with profiler.profile(strategy_action(lt, name)):
+                    return plain_run_step(name, *args)
+
+            self.run_step = run_step
         self._takes_batch_idx = {
             name: is_param_in_hook_signature(getattr(module, name), "batch_idx", min_args=2)
             for name in ("training_step", "validation_step", "test_step", "predict_step")
@@ -120,7 +133,7 @@ class ModuleRunner(FasttrainTrainer):
         self.lt._load_scaler_state()
         self._decide_step_calls()
         try:
-            with signals.handle_interrupts(self):
+            with signals.handle_interrupts(self), anomaly_context(self.lt):
                 run_fit(self.lt, self)
         finally:
             self._nonfinite.close()
@@ -176,7 +189,7 @@ class ModuleRunner(FasttrainTrainer):
         if lt._plain_backward_hooks:
             super().backward_step(loss)
         else:
-            lt.strategy.backward(loss, lt.optimizers[0])
+            self._strategy_backward(loss, lt.optimizers[0])
 
     def closure_step(self, batch) -> dict:
         """A stepping batch when the module overrides ``optimizer_step`` or the optimizer's step

@@ -370,19 +370,32 @@ class _FasttrainStrategy:
         return torch.stack(out)
 
     def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero and os.path.exists(filepath):
+        if not self.is_global_zero:
+            return
+        io = self._trainer._checkpoint_io
+        if io is not None:  # a CheckpointIO plugin removes its own files
+            io.remove_checkpoint(filepath)
+        elif os.path.exists(filepath):
             os.remove(filepath)
+
+    @property
+    def checkpoint_io(self):
+        """The ``CheckpointIO`` plugin given to the Trainer (None: fasttrain's own file writing)."""
+        return self._trainer._checkpoint_io
 
     def teardown(self) -> None:
         """Lightning's end of every run (before ``on_fit_end`` and the teardown hooks, or after an
         error's ``on_exception``): off the CPU, the optimizers' state and the module move to the
-        CPU (an FSDP2-sharded module stays where it is); the plugins end."""
+        CPU (an FSDP2-sharded module stays where it is); the plugins (a ``CheckpointIO`` one
+        included) end."""
         if self.root_device.type != "cpu" and not isinstance(self, LightningFSDPStrategy):
             _optimizers_to_device(self.optimizers, torch.device("cpu"))
             if self.lightning_module is not None:
                 self.lightning_module.cpu()  # SYNC(stop): once, as a run ends (Lightning's teardown)
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        if self.checkpoint_io is not None:  # a CheckpointIO plugin ends with the run (AsyncCheckpointIO waits)
+            self.checkpoint_io.teardown()
 
     # ------------------------------------------------------------------ the step
     def backward(self, closure_loss, optimizer=None, *args, **kwargs):

@@ -13,27 +13,27 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import warnings
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.registry import _load_external_callbacks
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, ProgressBar, Timer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.connectors.callback_connector import _validate_callbacks_list
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loop_objects import LoopProperties
-from fasttrain.lightning.progress import EpochProgress
+from fasttrain.lightning.profiler import build_profiler
+from fasttrain.lightning.progress_bars import ProgressBarMetrics, configure_progress_bar
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.strategy import build_strategy, device_ids
@@ -65,7 +65,7 @@ class Trainer(LoopProperties):
         self.state = TrainerState()
         self._module = None
         self.num_training_batches = float("inf")  # until a fit loads its training data, as in Lightning
-        self._build_loops()
+        self._build_loops(args.inference_mode)
         # max_epochs stays None until a fit decides 1000 or -1, as in Lightning
         self.max_epochs, self.max_steps = args.max_epochs, args.max_steps
         self.min_epochs, self.min_steps = args.min_epochs, args.min_steps
@@ -101,21 +101,23 @@ class Trainer(LoopProperties):
         if self.fast_dev_run:
             # Lightning swaps the loggers for one that records nothing
             self.loggers = [DummyLogger()] if self.loggers else []
-        self._progress = EpochProgress(args.enable_progress_bar)
         #: messages Lightning gives once per trainer (its warning cache)
         self._said: set = set()
         #: the epoch each fit loader was last requested at, and how to request it again
         #: (reload_dataloaders_every_n_epochs)
         self._train_reloaded_epoch = self._val_reloaded_epoch = float("-inf")
         self._reload_train_data = self._reload_val_data = None
-        self.profiler = PassThroughProfiler()
-        self.precision_plugin = Precision()
+        self.profiler = build_profiler(args.profiler)
+        self.precision_plugin = args.plugin_set.precision_plugin or Precision()
+        #: a CheckpointIO plugin's, else None (fasttrain's atomic torch.save and torch.load)
+        self._checkpoint_io = args.plugin_set.checkpoint_io
         #: Lightning's accelerator object for the run's device (isinstance checks, device stats)
         self.accelerator = CPUAccelerator() if planned_device(self).type == "cpu" else CUDAAccelerator()
         self.strategy = build_strategy(self, args.strategy, self.accelerator)
         self.should_stop = False
         self.received_sigterm = False
         self._logger_connector = LoggerConnector(self)
+        self._pbar_metrics = ProgressBarMetrics(self._logger_connector)
         self._accelerator_connector = _AcceleratorConnector()
         self._train_results = ResultStore(training=True)
         self._val_results = ResultStore(training=False)
@@ -144,6 +146,9 @@ class Trainer(LoopProperties):
         self._hooks: Optional[HookCaller] = None
         #: whether the attached module defines validation_step (decided when a run attaches it)
         self._has_val_step = False
+        #: whether the module or a callback zeroes gradients in its own hooks (decided when a fit
+        #: starts; an evaluation's engine reads it too)
+        self._own_zero_grad = False
         #: requests the fit's validation loaders when no sanity check does (see fit._load_data)
         self._load_val_later = None
 
@@ -167,6 +172,7 @@ class Trainer(LoopProperties):
                 callbacks.append(Timer(duration=args.max_time, interval="step"))
         # callbacks that installed packages register for every Trainer (the entry point group
         # Lightning reads)
+        configure_progress_bar(callbacks, args.enable_progress_bar)
         callbacks.extend(_load_external_callbacks("lightning.pytorch.callbacks_factory"))
         check_supported_callbacks(callbacks)
         _validate_callbacks_list(callbacks)
@@ -284,7 +290,8 @@ class Trainer(LoopProperties):
 
     @property
     def progress_bar_metrics(self) -> dict:
-        return self._logger_connector.progress_bar_metrics
+        """Host numbers; with a progress bar, as of the last flush (see progress_bars.py)."""
+        return self._pbar_metrics.get()
 
     @property
     def enable_validation(self) -> bool:
@@ -338,8 +345,10 @@ class Trainer(LoopProperties):
         loaders = self._test_loaders
         return loaders[0] if len(loaders) == 1 else (loaders or None)
 
-    #: no Lightning progress-bar callback: LightningModule.print then prints directly
-    progress_bar_callback = None
+    @property
+    def progress_bar_callback(self):
+        """The first ``ProgressBar`` among the callbacks, as in Lightning (None: none)."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
 
     @property
     def num_nodes(self) -> int:
@@ -410,13 +419,11 @@ class Trainer(LoopProperties):
 
         return predict(self, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only)
 
-    def save_checkpoint(self, filepath, weights_only: bool = False, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise ValueError("save_checkpoint(storage_options=...) is not supported; save to a local path")
-        checkpoint = ckpt_io.dump_checkpoint(self, weights_only)
-        if self.is_global_zero:
-            ckpt_io.write(checkpoint, filepath)
-        self.strategy.barrier("save_checkpoint")
+    def save_checkpoint(self, filepath, weights_only: Optional[bool] = None,
+                        storage_options: Optional[Any] = None) -> None:
+        """Lightning's: ``storage_options`` goes to the ``CheckpointIO`` plugin; without one,
+        the default writer takes none (Lightning's ``TypeError``)."""
+        ckpt_io.save(self, filepath, weights_only, storage_options)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
@@ -477,13 +484,18 @@ class Trainer(LoopProperties):
             monitor_value = None
             if config.reduce_on_plateau:
                 monitor_value = self.callback_metrics.get(config.monitor)
-                if monitor_value is None:
+                if monitor_value is None:  # Lightning's error, or its warning with strict=False
                     if config.strict:
-                        raise KeyError(
-                            f"ReduceLROnPlateau monitors {config.monitor!r}, which was not logged; logged "
-                            f"metrics: {sorted(self.callback_metrics)}. Log it or set 'strict': False."
+                        raise LightningConfigError(
+                            f"ReduceLROnPlateau conditioned on metric {config.monitor}"
+                            f" which is not available. Available metrics are: {list(self.callback_metrics)}."
+                            " Condition can be set using `monitor` key in lr scheduler dict"
                         )
-                    warnings.warn(f"ReduceLROnPlateau monitors {config.monitor!r}, not logged: skipped", RuntimeWarning)
+                    rank_zero_warn(
+                        f"ReduceLROnPlateau conditioned on metric {config.monitor}"
+                        " which is not available but strict is set to `False`. Skipping learning rate update.",
+                        category=RuntimeWarning,
+                    )
                     continue
             counts = self.fit_loop.epoch_loop.scheduler_progress
             counts.increment_ready()
@@ -495,14 +507,24 @@ class Trainer(LoopProperties):
         output = runner.run_step("training_step", *runner.step_args("training_step", batch, batch_idx))
         if isinstance(output, torch.Tensor):
             return {"loss": output.detach()}
-        if isinstance(output, dict):
-            return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in output.items()}
+        if isinstance(output, Mapping):
+            outputs = dict(output)
+            if "loss" in outputs:
+                outputs["loss"] = outputs["loss"].detach()
+            return outputs
+        if output is not None:
+            raise LightningConfigError(
+                "In manual optimization, `training_step` must either return a Tensor or have no return."
+            )
         return {}
 
     def _epoch_end_metrics_ready(self) -> None:
         # the last batch's step values stay in callback_metrics, as Lightning's per-batch update leaves them
         self._logger_connector.absorb(self._train_results, on_step=True)
         self._logger_connector.on_step = False
+        # the epoch's end: the bar's metrics (the step values and, as in Lightning from here on,
+        # the epoch values) to the host
+        self._pbar_metrics.refresh()
 
     def _collect_epoch_metrics(self, results: ResultStore) -> None:
         self._logger_connector.absorb(results, on_step=False)
@@ -520,6 +542,7 @@ class Trainer(LoopProperties):
         values and those logged without a loader index (in the epoch hooks)."""
         connector = self._logger_connector
         logged = connector.absorb(results, on_step=False)
+        self._pbar_metrics.refresh()  # an evaluation's end: the bar's metrics to the host
         connector.log_metrics(logged)
         # SYNC(epoch-end): validate()/test() return host numbers, as Lightning's do
         host = dict(zip(logged, to_host(logged).values()))

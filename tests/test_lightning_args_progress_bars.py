@@ -1,0 +1,252 @@
+"""Lightning's progress bars as callbacks, compared under lightning.Trainer and
+fasttrain.lightning.Trainer: ``TQDMProgressBar(refresh_rate=...)``, ``RichProgressBar``, a
+``ProgressBar`` subclass of one's own and the default bar of ``enable_progress_bar=True``; the
+bars' counters through Lightning's hooks; the metrics they show, read from the device at the
+flushes only."""
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+from fasttrain.lightning import Trainer  # noqa: E402
+from lightning_modules import QUIET, Classifier, train_loader, val_loader  # noqa: E402
+
+
+class SGDClassifier(Classifier):
+    # torch's Adam reads its host-side step counter with .item(); SGD reads nothing
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+BOTH = (L.Trainer, Trainer)
+WITH_BAR = {**QUIET, "enable_progress_bar": True}
+
+
+class TestsTwoLoaders(Classifier):
+    def test_step(self, batch, batch_idx, dataloader_idx=0):
+        return super().test_step(batch, batch_idx)
+
+
+def _run(trainer_cls, bar, module=None, **kwargs):
+    """fit (two epochs, validation with its sanity check), validate, test and predict with ``bar``."""
+    torch.manual_seed(0)
+    module = module or TestsTwoLoaders()
+    trainer = trainer_cls(**{**WITH_BAR, "max_epochs": 2, "callbacks": [bar], **kwargs})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_loader(), val_loader())
+        trainer.validate(module, val_loader(), verbose=False)
+        trainer.test(module, [val_loader(), val_loader()], verbose=False)
+        trainer.predict(module, val_loader())
+    return trainer
+
+
+class RecordingTQDM(TQDMProgressBar):
+    """Lightning's TQDM bar, recording after each hook what its bars show."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def _note(self, hook, *bars):
+        self.seen.append((hook, *[(b.n, b.total, b.desc.split(":")[0]) if b is not None else None for b in bars]))
+
+    def on_train_epoch_start(self, trainer, *args):
+        super().on_train_epoch_start(trainer, *args)
+        self._note("train_epoch_start", self.train_progress_bar)
+        self.seen.append(("totals", self.total_train_batches, self.total_val_batches))
+
+    def on_train_batch_end(self, trainer, *args):
+        super().on_train_batch_end(trainer, *args)
+        self._note("train_batch_end", self.train_progress_bar)
+
+    def on_validation_batch_end(self, trainer, *args):
+        super().on_validation_batch_end(trainer, *args)
+        self._note("validation_batch_end", self.val_progress_bar)
+
+    def on_test_batch_end(self, trainer, *args):
+        super().on_test_batch_end(trainer, *args)
+        self._note("test_batch_end", self.test_progress_bar)
+
+    def on_predict_batch_end(self, trainer, *args):
+        super().on_predict_batch_end(trainer, *args)
+        self._note("predict_batch_end", self.predict_progress_bar)
+
+
+@pytest.mark.parametrize("refresh_rate", [1, 4])
+def test_tqdm_progress_bar_moves_as_under_lightning(refresh_rate):
+    seen = []
+    for trainer_cls in BOTH:
+        bar = RecordingTQDM(refresh_rate=refresh_rate)
+        trainer = _run(trainer_cls, bar)
+        assert trainer.progress_bar_callback is bar
+        seen.append(bar.seen)
+    assert seen[0] == seen[1]
+    assert ("totals", 6, 4) in seen[1]
+    assert ("train_batch_end", (6, 6, "Epoch 1")) in seen[1]
+
+
+class OwnBar(ProgressBar):
+    """A bar of one's own: records the base class's counters in each hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.enabled = True
+        self.seen = []
+
+    def disable(self):
+        self.enabled = False
+
+    def enable(self):
+        self.enabled = True
+
+    def on_sanity_check_start(self, trainer, module):
+        self.seen.append(("sanity", trainer.num_sanity_val_batches))
+
+    def on_train_epoch_start(self, trainer, module):
+        self.seen.append(("epoch", trainer.current_epoch, self.total_train_batches, self.total_val_batches))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append(("batch", batch_idx, trainer.global_step))
+
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if self.has_dataloader_changed(dataloader_idx):
+            self.seen.append(("val", trainer.sanity_checking, self.total_val_batches_current_dataloader))
+
+    def on_validation_end(self, trainer, module):
+        self.reset_dataloader_idx_tracker()
+
+    def on_test_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if self.has_dataloader_changed(dataloader_idx):
+            self.seen.append(("test", dataloader_idx, self.total_test_batches_current_dataloader))
+
+    def on_predict_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if self.has_dataloader_changed(dataloader_idx):
+            self.seen.append(("predict", self.total_predict_batches_current_dataloader))
+
+
+def test_a_progress_bar_of_ones_own_gets_lightnings_hooks_and_counters():
+    seen = []
+    for trainer_cls in BOTH:
+        bar = OwnBar()
+        trainer = _run(trainer_cls, bar, limit_train_batches=4, check_val_every_n_epoch=2)
+        assert trainer.progress_bar_callback is bar and bar.trainer is trainer
+        seen.append(bar.seen)
+    assert seen[0] == seen[1]
+    # no validation in the first epoch (check_val_every_n_epoch=2): no validation batches counted
+    assert ("epoch", 0, 4, 0) in seen[1] and ("epoch", 1, 4, 4) in seen[1]
+    # the sanity check's count is set when its loop starts, after on_sanity_check_start (empty at the
+    # first fit), as in Lightning
+    assert ("sanity", []) in seen[1] and ("val", True, 2) in seen[1] and ("test", 1, 4) in seen[1]
+
+
+def test_enable_progress_bar_gives_lightnings_default_bar():
+    kinds = []
+    for trainer_cls in BOTH:
+        trainer = trainer_cls(**WITH_BAR)
+        kinds.append(type(trainer.progress_bar_callback))
+        assert trainer_cls(**QUIET).progress_bar_callback is None
+    assert kinds[0] is kinds[1]
+    assert issubclass(kinds[1], ProgressBar)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(callbacks=[TQDMProgressBar(), OwnBar()]), dict(callbacks=[TQDMProgressBar()], enable_progress_bar=False)],
+    ids=["two-bars", "bar-but-disabled"],
+)
+def test_bar_settings_lightning_refuses_are_its_error(kwargs):
+    seen = []
+    for trainer_cls in BOTH:
+        with pytest.raises(MisconfigurationException) as info:
+            trainer_cls(**{**WITH_BAR, **kwargs})
+        seen.append(str(info.value))
+    assert seen[0] == seen[1]
+
+
+class MetricsAtFlushes(TQDMProgressBar):
+    """Records what the bar shows (get_metrics) at the flush batches and at the epoch ends."""
+
+    def __init__(self, every):
+        super().__init__()
+        self.every = every
+        self.shown = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        if (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % self.every == 0:
+            self.shown.append((trainer.global_step, self.get_metrics(trainer, module)))
+
+    def on_train_epoch_end(self, trainer, module):
+        super().on_train_epoch_end(trainer, module)
+        self.shown.append(("epoch", self.get_metrics(trainer, module)))
+
+
+def test_the_bars_metrics_at_the_flushes_are_lightnings():
+    shown = []
+    for trainer_cls in BOTH:
+        bar = MetricsAtFlushes(every=2)
+        _run(trainer_cls, bar, log_every_n_steps=2)
+        shown.append(bar.shown)
+    theirs, ours = shown
+    assert [at for at, _ in ours] == [at for at, _ in theirs] and len(ours) == 3 * 2 + 2
+    for (_, their_values), (_, our_values) in zip(theirs, ours):
+        assert sorted(our_values) == sorted(their_values)
+        for key, value in their_values.items():
+            assert our_values[key] == pytest.approx(value, abs=1e-5), key
+
+
+def _host_reads_per_extra_epoch(sync_counter, bar_factory):
+    counts = []
+    for epochs in (1, 3):
+        trainer = Trainer(**{**WITH_BAR, "max_epochs": epochs, "log_every_n_steps": 3, "callbacks": [bar_factory()]})
+        sync_counter["n"] = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(SGDClassifier(), train_loader())
+        counts.append(sync_counter["n"])
+    return (counts[1] - counts[0]) / 2
+
+
+def test_a_bar_refreshed_every_batch_reads_the_device_at_the_flushes_only(sync_counter):
+    """refresh_rate=1 asks for the metrics after each of the 6 batches of an epoch; the device
+    is read at the 2 flushes (log_every_n_steps=3) and the epoch end only, as without a bar."""
+    with_bar = _host_reads_per_extra_epoch(sync_counter, lambda: TQDMProgressBar(refresh_rate=1))
+    # the shuffling DataLoader's own reads, plus one packed copy per flush and the epoch end
+    assert with_bar <= 4 + 3
+
+
+def test_rich_progress_bar_runs_as_under_lightning():
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    class RecordingRich(RichProgressBar):
+        def __init__(self):
+            super().__init__(leave=True)
+            self.seen = []
+
+        def on_train_epoch_end(self, trainer, module):
+            super().on_train_epoch_end(trainer, module)
+            self.seen.append(sorted((t.description, t.completed, t.total) for t in self.progress.tasks))
+
+        def on_test_end(self, trainer, module):
+            self.seen.append(sorted((t.description, t.completed, t.total) for t in self.progress.tasks))
+            super().on_test_end(trainer, module)
+
+    seen = []
+    for trainer_cls in BOTH:
+        bar = RecordingRich()
+        trainer = _run(trainer_cls, bar)
+        assert trainer.progress_bar_callback is bar
+        seen.append(bar.seen)
+    assert seen[0] == seen[1] and len(seen[1]) == 3
+    assert [(d.strip(), done, total) for d, done, total in seen[1][1]] == [("Epoch 1/1", 6, 6), ("Validation", 4, 4)]
