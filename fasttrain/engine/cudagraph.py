@@ -27,7 +27,7 @@ From the second epoch on every batch replays a graph.
 
 Requirements: a CUDA device, one process (DDP capture needs DDP built on a side stream, which
 accelerate does not do; FSDP2 steps are never captured, see ``FSDP2_REASON``), SGD/Adam/AdamW
-(captured with ``capturable=True``), no fp16 loss scaling, batches of one shape and the epoch's
+(foreach ones captured with ``capturable=True``, fused ones as they are), no fp16 loss scaling, batches of one shape and the epoch's
 last, smaller one (any other change of shape falls back to the compiled engine), and hooks whose
 Python control flow does not change between steps (a graph replays the kernels recorded at
 capture).
@@ -174,8 +174,11 @@ class CudaGraphEngine(CompiledEngine):
                 "captures SGD, Adam and AdamW"
             )
         for group in optimizer.param_groups:
-            if group.get("fused") or group.get("differentiable"):
-                return "fused or differentiable optimizers are not captured; use the default (foreach)"
+            # A fused step keeps its step counters on the device and takes the learning rate as a
+            # device tensor (TensorHyperparams holds it so): it reads nothing on the host, and is
+            # captured as it is. A differentiable one keeps autograd history across steps.
+            if group.get("differentiable"):
+                return "differentiable optimizers are not captured; use the default (foreach) or fused=True"
         return None
 
     def setup(self) -> None:
