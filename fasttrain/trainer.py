@@ -526,6 +526,10 @@ class Trainer(ForwardBackwardHelper):
         engine zeroes gradients itself where ``optimizer_zero_grad`` is the default)."""
         return overridden_hooks(self, base)
 
+    def _compile_owner(self):
+        """What the engines' compiled functions are kept with (StepContext.compile_owner)."""
+        return self
+
     def _host_effects(self):
         """What a step's Python leaves for the host that a graph replay must redo: nothing here
         (the Lightning runner's ``self.log`` calls)."""

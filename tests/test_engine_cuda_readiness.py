@@ -171,3 +171,25 @@ def test_skip_is_captured_for_sgd_and_adamw(optimizer):
     assert sum(map(math.isnan, graphed.recorder.train)) == 2
     for key in eager.state:
         torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+
+
+# the graphed engine for what users run (fused AdamW, a zero_grad() that drops gradients) ------
+def test_fused_adamw_is_captured_and_matches_eagers_fused_step():
+    from engine_cases import one_cycle
+
+    case = mlp_case(create_scheduler_fn=functools.partial(one_cycle(), cycle_momentum=False))
+    case.optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    eager, graphed = _graphed_without_warnings(case)
+    assert graphed.trainer.optimizer.param_groups[0]["fused"]
+    assert_runs_match(eager, graphed)
+
+
+class ZeroGradToNone(Trainer):
+    def optimizer_zero_grad(self):
+        self.optimizer.zero_grad()  # torch's default: set_to_none=True
+
+
+def test_a_zero_grad_hook_that_drops_gradients_is_captured_and_matches_eager():
+    eager, graphed = _graphed_without_warnings(mlp_case(trainer_cls=ZeroGradToNone))
+    assert graphed.trainer._engine._grads.cleared
+    assert_runs_match(eager, graphed)

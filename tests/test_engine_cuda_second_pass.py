@@ -327,18 +327,40 @@ def _peak_bytes(engine, steps=24, epochs=1, partial=0):
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     assert trainer.active_engine == engine
     torch.cuda.synchronize()
+    _MEMORY_NOTES[engine] = _memory_note()
     return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() - base_reserved
+
+
+#: per engine, what the allocator held at the end of the last _peak_bytes run (for failure messages)
+_MEMORY_NOTES = {}
+
+
+def _memory_note() -> str:
+    """Where the memory sits when a run ends: peaks of the allocator's counters that tell a pool
+    beside the activations from fragmentation (free space inside segments that live tensors pin),
+    and the segments by pool (a graph's private pool or the default one) and stream."""
+    stats = torch.cuda.memory_stats()
+    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    peaks = {key: mib(stats.get(f"{key}.all.peak", 0)) for key in ("active_bytes", "inactive_split_bytes", "reserved_bytes")}
+    segments = {}
+    for segment in torch.cuda.memory_snapshot():
+        key = (str(segment.get("segment_pool_id")), segment.get("stream"))
+        total, used, count = segments.get(key, (0, 0, 0))
+        segments[key] = (total + segment["total_size"], used + segment["allocated_size"], count + 1)
+    held = "; ".join(f"pool {pool} stream {stream}: {count} segments, {mib(total)} MiB reserved, {mib(used)} MiB in use"
+                     for (pool, stream), (total, used, count) in sorted(segments.items()))
+    return f"peaks MiB {peaks}; at the end: {held}"
 
 
 def test_peak_memory_of_the_compiled_and_graphed_engines_stays_near_eager():
     eager, _ = _peak_bytes("eager")
     for engine in ("compiled", "cudagraph"):
         peak, _ = _peak_bytes(engine)
-        assert peak <= 1.2 * eager, (engine, peak / 2**20, eager / 2**20)
+        assert peak <= 1.2 * eager, (engine, peak / 2**20, eager / 2**20, _MEMORY_NOTES)
 
 
 def test_the_partial_last_batch_takes_no_activations_beside_the_graph_pool():
     # three epochs with a last batch of 12 of 16 samples: its first run, then its own graph
     _, eager = _peak_bytes("eager", steps=8, epochs=3, partial=12)
     _, graphed = _peak_bytes("cudagraph", steps=8, epochs=3, partial=12)
-    assert graphed <= 1.2 * eager, (graphed / 2**20, eager / 2**20)
+    assert graphed <= 1.2 * eager, (graphed / 2**20, eager / 2**20, _MEMORY_NOTES)

@@ -7,6 +7,7 @@ Runs the graphed engine's logic on the CPU with the host stand-ins of test_engin
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 
-from engine_cases import Recorder, assert_runs_match, fasttrain_warnings, mlp_case, run
+from engine_cases import assert_runs_match, fasttrain_warnings, mlp_case, one_cycle, run
 from test_engine_graph_logic import AOT, HostGraphEngine, host_graphs  # noqa: F401
 
 
@@ -96,3 +97,25 @@ def test_the_default_zero_grad_keeps_the_gradient_tensors():
     # fasttrain's own zeroing is the engine's (in place) under graphs, torch's set_to_none eagerly
     assert all(graphed.trainer.extra[0].has_grad)
     assert not all(eager.trainer.extra[0].has_grad)
+
+
+def test_fused_adamw_is_captured_and_steps_as_eagers_fused_step():
+    """torch's fused AdamW keeps its step counters on the device and takes a device learning rate
+    (fasttrain holds it as one): the graphed engine captures it as it is (on the CPU, torch's
+    fused kernel stands in for the CUDA one)."""
+    # a one-cycle learning rate (a tensor the graphs read); the fused kernel takes betas as
+    # floats, so the schedule leaves them alone
+    schedule = functools.partial(one_cycle(), cycle_momentum=False)
+    case = mlp_case(epochs=2, create_scheduler_fn=schedule)
+    case.optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", eval_dataset=None)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    group = graphed.trainer.optimizer.param_groups[0]
+    assert group["fused"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]
+    assert sum(step.graph.replays for step in engine._train_graphs.values()) > 0
+    assert_runs_match(eager, graphed)

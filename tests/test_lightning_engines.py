@@ -57,6 +57,31 @@ def test_compiled_engine_matches_lightning_and_stops_compiling_after_the_first_e
     assert graphs[0] > 0 and graphs[-1] == graphs[0]
 
 
+class KeepsItsOptimizer(Classifier):
+    """Returns the same optimizer to every fit (torch's compiled optimizer step is specialised to
+    the optimizer object, so a new one is compiled anew)."""
+
+    def configure_optimizers(self):
+        if not hasattr(self, "_optimizer"):
+            self._optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return self._optimizer
+
+
+def test_another_fit_of_the_same_module_compiles_nothing_again():
+    # each fit builds its trainer; the compiled steps are kept with the module
+    module = KeepsItsOptimizer()
+    frames = []
+    for _ in range(3):
+        before = torch._dynamo.utils.counters["frames"]["total"]
+        trainer = Trainer(max_epochs=1, engine="compiled", compile_options={"backend": "aot_eager"}, **QUIET)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, train_loader())
+        assert trainer.engine == "compiled"
+        frames.append(torch._dynamo.utils.counters["frames"]["total"] - before)
+    assert frames[0] > 0 and frames[1:] == [0, 0], frames
+
+
 class HostSideStep(Classifier):
     """Counts its optimizer steps in a Python int: host code the compiled update cannot replay."""
 

@@ -74,10 +74,72 @@ def test_bf16_mixed_trains_under_autocast_close_to_lightning(precision, fresh_ac
     assert_same_weights(lm, fm, atol=2e-2)
 
 
+class SGDClassifier(Classifier):
+    """SGD: its update is linear in the gradients, so the rounding differences of compiled fp16
+    kernels stay as small in the weights as in the gradients (Adam's first updates, close to
+    ``lr * sign(grad)``, turn them into differences near the learning rate wherever a gradient is
+    close to zero, which says nothing about the loss scaling)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _fp16_scaled_on_the_cpu(monkeypatch, init_scale):
+    """Lightning's MixedPrecision and accelerate with a loss scaler on the CPU, as both have one on
+    CUDA (neither makes one for the CPU): the scaling, unscaling, skipping and scale updates run
+    the same code as on a GPU, under CPU fp16 autocast."""
+    import fasttrain.lightning.runner as runner
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    build = runner.build_accelerator
+
+    def with_a_scaler(mixed_precision, **kwargs):
+        accelerator = build(mixed_precision, **kwargs)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        accelerator.native_amp = True  # accelerate's autocast (fp16) and unscaling, as on CUDA
+        return accelerator
+
+    monkeypatch.setattr(runner, "build_accelerator", with_a_scaler)
+    return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+@pytest.mark.parametrize("engine, module, atol", [("eager", Classifier, 0.0), ("compiled", SGDClassifier, 1e-4)])
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**28])
+def test_fp16_loss_scaling_steps_as_lightnings_amp(monkeypatch, fresh_accelerate_state, engine, module, atol, init_scale):
+    # 2**28 overflows the first steps' fp16 gradients: both skip those updates and lower the scale
+    import lightning as L
+
+    plugin = _fp16_scaled_on_the_cpu(monkeypatch, init_scale)
+    options = {"engine": engine, "compile_options": {"backend": "aot_eager"} if engine == "compiled" else None}
+    torch.manual_seed(0)
+    lm = module()
+    fm = module()
+    fm.load_state_dict(lm.state_dict())
+    fitted = []
+    for trainer in (L.Trainer(max_epochs=2, plugins=[plugin], **QUIET),
+                    Trainer(max_epochs=2, precision="16-mixed", **options, **QUIET)):
+        torch.manual_seed(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(lm if not fitted else fm, train_loader())
+        fitted.append(trainer)
+    lt, ft = fitted
+    assert ft.engine == engine
+    assert ft.global_step == lt.global_step == 12
+    assert ft._scaler().get_scale() == lt.precision_plugin.scaler.get_scale()
+    assert (ft._scaler().get_scale() < init_scale) == (init_scale > 2.0**16)  # the skips happened
+    assert_same_weights(lm, fm, atol=atol)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp16_mixed_scales_the_loss_on_cuda(fresh_accelerate_state):
-    lt, lm, ft, fm = fit_both(Classifier, train_loader, trainer_kwargs=dict(max_epochs=1, precision="16-mixed"))
+@pytest.mark.parametrize("engine, module, atol", [("eager", Classifier, 1e-5), ("auto", SGDClassifier, 1e-3)])
+def test_fp16_mixed_scales_the_loss_on_cuda(fresh_accelerate_state, engine, module, atol):
+    # the eager engine runs Lightning's kernels (equal weights); "auto" runs the compiled engine
+    # (fp16 scaling keeps graphs out), whose fp16 kernels round differently: compared with SGD
+    lt, lm, ft, fm = fit_both(module, train_loader, trainer_kwargs=dict(max_epochs=1, precision="16-mixed"),
+                              fasttrain_kwargs=dict(engine=engine))
     assert ft._scaler() is not None
     assert ft.global_step == lt.global_step
-    assert_same_weights(lm, fm, atol=1e-2)
+    assert ft._scaler().get_scale() == lt.precision_plugin.scaler.get_scale()
+    assert_same_weights(lm.cpu(), fm.cpu(), atol=atol)

@@ -230,8 +230,10 @@ class _CompiledFunctions:
 _FUNCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def compiled_functions(trainer, settings: CompileSettings) -> _CompiledFunctions:
-    per_trainer: Dict[CompileSettings, _CompiledFunctions] = _FUNCTIONS.setdefault(trainer, {})
+def compiled_functions(owner, settings: CompileSettings) -> _CompiledFunctions:
+    """The compiled functions of ``owner`` (the trainer, or what outlives it: see
+    ``StepContext.compile_owner``) for ``settings``, made on first use."""
+    per_trainer: Dict[CompileSettings, _CompiledFunctions] = _FUNCTIONS.setdefault(owner, {})
     key = settings
     try:
         hash(key)
@@ -306,7 +308,7 @@ class CompiledEngine(StepEngine):
                 separate_compile_cache_per_process()
             elif compiled_region_names(trainer.model):
                 self.settings = _settings_with_regions(self.settings)
-            self._functions = compiled_functions(trainer, self.settings)
+            self._functions = compiled_functions(self.ctx.compile_owner or trainer, self.settings)
         recompile_limit.install()
         self._hits_seen = recompile_limit.hit_count()
         if training and train_reason is None and trainer.optimizer is not None:

@@ -86,6 +86,10 @@ class StepContext:
         capture: builds what the capture cannot (the clipping kernels' chunk tables).
     :param host_effects: the step's Python side effects that a graph replay must redo
         (:class:`HostEffects`).
+    :param compile_owner: what the compiled functions are kept with, so that later runs reuse
+        them (None: the trainer). fasttrain.lightning builds a trainer per ``fit()``; its
+        compiled steps are kept with the LightningModule, so that another ``fit()`` of the same
+        module compiles nothing again.
     """
 
     trainer: Any
@@ -103,6 +107,7 @@ class StepContext:
     keeps_model_outputs: Callable[[str], bool] = lambda phase: True
     before_update_capture: Callable[[], None] = lambda: None
     host_effects: HostEffects = NO_HOST_EFFECTS
+    compile_owner: Any = None
 
     def overrides(self, hook: str) -> bool:
         """True when the trainer's class overrides the default hook ``hook``."""

@@ -27,7 +27,7 @@ From the second epoch on every batch replays a graph.
 
 Requirements: a CUDA device, one process (DDP capture needs DDP built on a side stream, which
 accelerate does not do; FSDP2 steps are never captured, see ``FSDP2_REASON``), SGD/Adam/AdamW
-(captured with ``capturable=True``), no fp16 loss scaling, batches of one shape and the epoch's
+(foreach ones captured with ``capturable=True``, fused ones as they are), no fp16 loss scaling, batches of one shape and the epoch's
 last, smaller one (any other change of shape falls back to the compiled engine), and hooks whose
 Python control flow does not change between steps (a graph replays the kernels recorded at
 capture).
@@ -35,7 +35,6 @@ capture).
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from typing import Dict, Optional
 
@@ -49,6 +48,7 @@ from fasttrain.engine.compiled import (
 )
 from fasttrain.engine.context import StepContext
 from fasttrain.sharding import is_fsdp2
+from fasttrain.engine.graph_capture import DeviceCapture
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.graph_grads import GradientKeeper
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
@@ -93,19 +93,7 @@ class _CaptureRefused(RuntimeError):
     """Raised when a captured step would not replay correctly."""
 
 
-@contextlib.contextmanager
-def _host_syncs_raise():
-    # A host read inside a capture would invalidate it (and with it the CUDA stream); with this
-    # mode torch raises a Python error before issuing the read, so the capture ends cleanly.
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-class CudaGraphEngine(CompiledEngine):
+class CudaGraphEngine(DeviceCapture, CompiledEngine):
     """Replays captured CUDA graphs of whole micro-steps; see the module docstring."""
 
     name = "cudagraph"
@@ -174,8 +162,11 @@ class CudaGraphEngine(CompiledEngine):
                 "captures SGD, Adam and AdamW"
             )
         for group in optimizer.param_groups:
-            if group.get("fused") or group.get("differentiable"):
-                return "fused or differentiable optimizers are not captured; use the default (foreach)"
+            # A fused step keeps its step counters on the device and takes the learning rate as a
+            # device tensor (TensorHyperparams holds it so): it reads nothing on the host, and is
+            # captured as it is. A differentiable one keeps autograd history across steps.
+            if group.get("differentiable"):
+                return "differentiable optimizers are not captured; use the default (foreach) or fused=True"
         return None
 
     def setup(self) -> None:
@@ -500,61 +491,6 @@ class CudaGraphEngine(CompiledEngine):
         self._drop_train_graphs()
         self._drop_eval_graphs()
         self._return_cached_memory()
-
-    # ------------------------------------------------------------------ CUDA specifics
-    # Kept in these methods so that the tests can run the engine's logic on the CPU with host
-    # stand-ins for streams, graphs and the allocator (tests/test_engine_graph_logic.py).
-    def _create_stream_and_pool(self, device: torch.device) -> None:
-        self._stream = torch.cuda.Stream(device=device)
-        self._pool = None  # made by the first capture (_new_pool)
-
-    def _new_pool(self) -> None:
-        # A capture with no graph alive starts a pool of its own: the allocator refuses to share
-        # a pool whose graphs were all freed. The memory the allocator caches (the warm-up's or
-        # the partial batch's activations, a freed pool) is handed back first, so that the pool is
-        # not taken beside it. SYNC: empty_cache waits for the device; once per new pool (the
-        # first capture, and after the graphs were dropped), never per step.
-        torch.cuda.empty_cache()
-        self._pool = torch.cuda.graph_pool_handle()
-
-    def _return_cached_memory(self) -> None:
-        # SYNC: empty_cache waits for the device; once, before the partial batch's first run
-        torch.cuda.empty_cache()
-
-    @contextlib.contextmanager
-    def _on_side_stream(self):
-        stream = self._stream
-        current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        try:
-            with torch.cuda.stream(stream):
-                yield
-        finally:
-            # later work on the current stream (and frees of side-stream tensors) waits for it
-            current.wait_stream(stream)
-
-    def _capture(self, body):
-        if self._pool is None or not self._graphs_held():
-            self._new_pool()
-        return self._record(body)
-
-    def _record(self, body):
-        graph = torch.cuda.CUDAGraph()
-        stream = self._stream
-        current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        try:
-            # thread_local: the DataLoader's pin-memory thread may call CUDA during the capture
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                with _host_syncs_raise():
-                    outputs = body()
-        except BaseException:
-            # when ending an invalidated capture raises, torch.cuda.graph leaves the capture
-            # stream current; the steps that follow must run on the stream they ran on before
-            torch.cuda.set_stream(current)
-            raise
-        current.wait_stream(stream)
-        return graph, outputs
 
     # ------------------------------------------------------------------ evaluation
     def eval_step(self, batch) -> dict:

@@ -233,6 +233,10 @@ class ModuleRunner(FasttrainTrainer):
     def _host_effects(self):
         return LoggedCalls(self.lt)
 
+    def _compile_owner(self):
+        # a runner lives for one fit(); the module outlives it
+        return self.lt.lightning_module
+
     def _overridden_step_hooks(self, base) -> frozenset:
         hooks = super()._overridden_step_hooks(base)
         if not self.lt._own_zero_grad:
