@@ -42,6 +42,7 @@ from fasttrain.lightning.hooks import (
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.runner import ModuleRunner
+from fasttrain.lightning.skipped_steps import may_return_none
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -240,6 +241,15 @@ def _choose_engine(lt, requested: str, device) -> str:
     if not module.automatic_optimization:
         blockers, target = ["automatic_optimization = False"], "eager"
     else:
+        if name != "eager" and may_return_none(module):
+            warnings.warn(
+                f"fasttrain: the module's training_step can return None (Lightning then skips that batch's update), "
+                f"a Python path decided per batch, which one graph of the {name!r} engine cannot hold; this fit "
+                "runs on the 'eager' engine instead.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return "eager"
         blockers = [h for h in UPDATE_HOOKS if module_overrides(module, h)]
         blockers += [f"an optimizer whose step needs a closure ({type(o).__name__})"
                      for o in lt.optimizers if _needs_closure(o)]

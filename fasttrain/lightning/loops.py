@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
+from fasttrain.lightning.skipped_steps import StepReturnedNone, skip_none_batch, skip_step
 
 
 class _Progress:
@@ -175,7 +176,7 @@ def run_fit(lt, runner) -> None:
             epoch_loop.total_batch_idx = epoch_loop.batch_progress.total.ready - 1
             epoch_loop.batch_progress.is_last_batch = last
             results.start_batch(batch)
-            if batch_start_hooked and hooks("on_train_batch_start", batch, batch_idx) == -1:
+            if batch_start_hooked and batch is not None and hooks("on_train_batch_start", batch, batch_idx) == -1:
                 # the rest of the epoch is skipped; Lightning still steps the schedulers as at
                 # an epoch's last batch
                 epoch_loop.batch_progress.is_last_batch = True
@@ -184,18 +185,24 @@ def run_fit(lt, runner) -> None:
                 break
             update = (batch_idx + 1) % k == 0 or last
             runner.window_start = batch_idx % k == 0
-            if module.automatic_optimization:
-                if update and lt._module_steps:
-                    batch_output = runner.closure_step(batch)
+            if batch is None or module.automatic_optimization:
+                if batch is None:  # no step, no update (see skipped_steps.py)
+                    outputs = skip_none_batch(lt, runner, update)
                 else:
-                    batch_output = engine.train_step(batch, update)
+                    try:
+                        if update and lt._module_steps:
+                            batch_output = runner.closure_step(batch)
+                        else:
+                            batch_output = engine.train_step(batch, update)
+                    except StepReturnedNone:
+                        batch_output = skip_step(lt, runner, update, batch_idx)
                     if results.pending:
                         results.drain()
-                if update:
-                    lt._global_step += 1
-                    runner.progress.num_updates += 1
-                if batch_end_hooked:
-                    outputs = _batch_end_outputs(batch_output, k)
+                    if update:
+                        lt._global_step += 1
+                        runner.progress.num_updates += 1
+                    if batch_end_hooked:
+                        outputs = _batch_end_outputs(batch_output, k)
                 if schedulers:
                     if update:
                         lt._step_schedulers("step", batch_idx)
@@ -268,9 +275,12 @@ def _look_ahead(loader, ended: list):
         yield batch
 
 
-def _batch_end_outputs(batch_output: dict, k: int) -> dict:
+def _batch_end_outputs(batch_output, k: int) -> dict:
     """``on_train_batch_end``'s ``outputs``, as Lightning builds them: the detached loss divided
-    by the accumulation steps, and the other entries of a dict that ``training_step`` returned."""
+    by the accumulation steps, and the other entries of a dict that ``training_step`` returned;
+    an empty dict for a step that returned None."""
+    if batch_output is None:
+        return {}
     loss = batch_output["loss"].detach()
     outputs = {"loss": loss / k if k > 1 else loss}
     output = batch_output["output"]

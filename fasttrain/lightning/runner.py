@@ -18,6 +18,7 @@ from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
 from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.fast_log import step_logger
+from fasttrain.lightning.skipped_steps import StepReturnedNone, check_none_step
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -156,26 +157,34 @@ class ModuleRunner(FasttrainTrainer):
             loss = output
         elif isinstance(output, dict) and "loss" in output:
             loss = output["loss"]
+        elif output is None:
+            # Lightning skips this batch's backward: the fit loop does (skipped_steps.py)
+            raise StepReturnedNone(self.batch_idx)
         else:
             raise ValueError(
-                "training_step must return the loss tensor or a dict with a 'loss' key under automatic "
-                f"optimization, got {type(output).__name__}; fasttrain does not skip batches on a None "
-                "return (filter the data instead)."
+                "training_step must return the loss tensor, a dict with a 'loss' key or None under automatic "
+                f"optimization, got {type(output).__name__}."
             )
         return {"loss": loss, "output": output}
 
     def backward_step(self, loss):
         lt = self.lt
-        hooks = lt._hooks
         if self.window_start and lt._own_zero_grad:
-            # Lightning clears gradients before the first backward of a window
-            optimizer = lt.optimizers[0]
-            hooks("on_before_zero_grad", optimizer)
-            hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
+            self.zero_grad_at_window_start()
         if lt._plain_backward_hooks:
             super().backward_step(loss)
         else:
             lt.strategy.backward(loss, lt.optimizers[0])
+
+    def zero_grad_at_window_start(self) -> None:
+        """Lightning clears gradients before the first backward of a window, through the
+        module's and callbacks' zero-grad hooks when they override them (else fasttrain's step
+        has cleared them after the last update)."""
+        lt = self.lt
+        if lt._own_zero_grad:
+            optimizer = lt.optimizers[0]
+            lt._hooks("on_before_zero_grad", optimizer)
+            lt._hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
 
     def closure_step(self, batch) -> dict:
         """A stepping batch when the module overrides ``optimizer_step`` or the optimizer's step
@@ -192,7 +201,15 @@ class ModuleRunner(FasttrainTrainer):
         def closure():
             if clear:
                 optimizer.zero_grad()
-            batch_output = self.calculate_train_batch_loss(batch)
+            try:
+                batch_output = self.calculate_train_batch_loss(batch)
+            except StepReturnedNone:
+                # as Lightning's closure: no backward, the optimizer steps on what it has
+                check_none_step(lt, self.batch_idx)
+                if self.window_start:
+                    self.zero_grad_at_window_start()
+                result["output"] = None
+                return None
             self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output
             return batch_output["loss"]
