@@ -32,6 +32,13 @@ from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches
 from fasttrain.lightning.ckpt_path import select as select_ckpt_path
+from fasttrain.lightning.combined import (
+    CombinedData,
+    evaluation_loaders,
+    plain_loader,
+    prediction_loaders,
+    training_data,
+)
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
@@ -39,7 +46,7 @@ from fasttrain.lightning.hooks import (
     merge_module_callbacks,
     module_overrides,
 )
-from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
+from fasttrain.lightning.loops import prepare_eval_loader, prepare_train_loader, run_evaluation, run_predict
 from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.skipped_steps import may_return_none
@@ -48,13 +55,9 @@ _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_afte
 
 
 def _as_list(loaders) -> list:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    if isinstance(loaders, dict):
-        raise TypeError("a dict of dataloaders (CombinedLoader) is not supported; pass a list of dataloaders")
-    return [loaders]
+    """The evaluation loaders of ``loaders`` (one, a collection, a ``CombinedLoader``), run one
+    after the other (see combined.py)."""
+    return evaluation_loaders(loaders)
 
 
 def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
@@ -138,6 +141,24 @@ def _overfit(lt, loader, stage: RunningStage):
     holder = SimpleNamespace(flattened=[loader])
     _resolve_overfit_batches(holder, stage)
     return holder.flattened[0]
+
+
+def _processed(lt, loader, stage: RunningStage):
+    """``loader`` (or each loader combined in it) through ``overfit_batches`` and
+    :func:`_process_loader`, as Lightning processes each loader it is given."""
+    if isinstance(loader, CombinedData):
+        holder = SimpleNamespace(flattened=loader.flattened)
+        if lt.overfit_batches > 0:
+            _resolve_overfit_batches(holder, stage)
+        loader.combined.flattened = holder.flattened
+        return _process_each(lt, loader, stage)
+    return _process_loader(lt, _overfit(lt, loader, stage), stage)
+
+
+def _process_each(lt, loader, stage: RunningStage):
+    if isinstance(loader, CombinedData):
+        return loader.map(lambda dl: _process_loader(lt, dl, stage))
+    return _process_loader(lt, loader, stage)
 
 
 def _process_loader(lt, loader, stage: RunningStage):
@@ -327,12 +348,15 @@ def _load_train_data(lt, given, processes: int) -> None:
     train_loader = _loader(lt, given, "train_dataloader")
     if train_loader is None:
         raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
-    if isinstance(train_loader, (list, tuple, dict)):
-        raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
-    train_loader = _process_loader(lt, _overfit(lt, train_loader, RunningStage.TRAINING), RunningStage.TRAINING)
+    # several loaders (a collection, a CombinedLoader) and a loader whose len() raises are
+    # combined, as Lightning combines every training source (combined.py)
+    train_loader = _processed(lt, training_data(train_loader), RunningStage.TRAINING)
     # accelerate gives each process every world-th batch (padded to the same count), so the
     # per-process count is known before the loaders are prepared
     lt.num_training_batches = num_batches(RunningStage.TRAINING, train_loader, lt.limit_train_batches, processes)
+    if isinstance(train_loader, CombinedData):
+        train_loader.set_limits(lambda dl: num_batches(RunningStage.TRAINING, dl, lt.limit_train_batches, processes))
+        train_loader.length = lt.num_training_batches
     if lt.loggers and lt.num_training_batches < lt.log_every_n_steps and not lt.fast_dev_run:
         rank_zero_warn(
             f"The number of training batches ({lt.num_training_batches}) is smaller than the logging interval"
@@ -344,8 +368,7 @@ def _load_train_data(lt, given, processes: int) -> None:
     runner = lt._runner
     if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
         # a reload inside the fit: shard the new loader as the first one was
-        train_loader = runner._accelerator.prepare(train_loader)
-        train_loader.batch_sampler.even_batches = True
+        train_loader = prepare_train_loader(runner, train_loader)
     lt._train_loader = train_loader
 
 
@@ -356,7 +379,7 @@ def _load_val_data(lt, given) -> None:
     module = lt.lightning_module
     wanted = lt._has_val_step and lt.limit_val_batches != 0
     loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
-    loaders = [_process_loader(lt, _overfit(lt, dl, RunningStage.VALIDATING), RunningStage.VALIDATING) for dl in loaders]
+    loaders = [_processed(lt, dl, RunningStage.VALIDATING) for dl in loaders]
     for dl in loaders:
         num_batches(RunningStage.VALIDATING, dl, lt.limit_val_batches)  # Lightning's checks of the limit
     lt._val_reloaded_epoch = lt.current_epoch
@@ -564,14 +587,14 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
     running = RunningStage.TESTING if stage == "test" else RunningStage.VALIDATING
-    loaders = [_process_loader(lt, dl, running) for dl in loaders]
+    loaders = [_process_each(lt, dl, running) for dl in loaders]
     if stage == "test":
         lt._test_loaders = loaders
     else:
         lt._val_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
-    runner.prepare_for_evaluation(loaders[0])
+    runner.prepare_for_evaluation(plain_loader(loaders[0]))
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
     logged = run_evaluation(lt, runner, stage)
@@ -594,14 +617,14 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
         raise LightningConfigError("`predict_step` cannot be None to run `Trainer.predict`")
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
-    loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
+    loaders = prediction_loaders(_loader(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    loaders = [_process_loader(lt, dl, RunningStage.PREDICTING) for dl in loaders]
+    loaders = [_process_each(lt, dl, RunningStage.PREDICTING) for dl in loaders]
     lt._predict_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
-    runner.prepare_for_evaluation(loaders[0])
+    runner.prepare_for_evaluation(plain_loader(loaders[0]))
     predictions = run_predict(lt, runner, loaders)
     teardown(lt, TrainerFn.PREDICTING)
     return predictions

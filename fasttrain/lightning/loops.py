@@ -13,7 +13,6 @@ import time
 from types import SimpleNamespace
 
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
@@ -21,6 +20,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
+from fasttrain.lightning.combined import CombinedData, check_trainable_mode, set_sampler_epoch
 from fasttrain.lightning.skipped_steps import StepReturnedNone, skip_none_batch, skip_step
 
 
@@ -69,10 +69,22 @@ def transfer(lt, batch, dataloader_idx: int = 0):
 
 
 def prepare_eval_loader(runner, loader):
-    """An evaluation loader sharded over the processes, without padding samples (the epoch
-    means are over real samples only)."""
+    """An evaluation loader (each loader combined in it) sharded over the processes, without
+    padding samples (the epoch means are over real samples only)."""
+    if isinstance(loader, CombinedData):
+        return loader.map(lambda part: prepare_eval_loader(runner, part))
     prepared = runner._accelerator.prepare(loader)
     prepared.batch_sampler.even_batches = False
+    return prepared
+
+
+def prepare_train_loader(runner, loader):
+    """A training loader (each loader combined in it) sharded over the processes, each process
+    taking the same number of batches."""
+    if isinstance(loader, CombinedData):
+        return loader.map(lambda part: prepare_train_loader(runner, part))
+    prepared = runner._accelerator.prepare(loader)
+    prepared.batch_sampler.even_batches = True
     return prepared
 
 
@@ -142,7 +154,7 @@ def run_fit(lt, runner) -> None:
                     next(dropped, None)
                 del dropped
         loader = lt._train_loader
-        _set_sampler_epoch(loader, epoch)
+        set_sampler_epoch(loader, epoch)
         num_batches = lt.num_training_batches
         # not reset here: values logged in on_train_start count in the first epoch, as in
         # Lightning (the store is reset when a run starts and after each epoch's metrics)
@@ -153,6 +165,7 @@ def run_fit(lt, runner) -> None:
         progress = lt._progress
         progress.start_epoch(epoch, num_batches)
         hooks("on_train_epoch_start")
+        check_trainable_mode(loader)
         if iterator is None:
             iterator = iter(loader)  # later epochs: after on_train_epoch_start, as in Lightning
         # a mid-epoch resume counts on from the batch it stopped at, on a fresh iterator: the
@@ -379,7 +392,7 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
     if fitting:
         # Lightning sets the evaluation samplers' epoch in a fit (some shuffle by training progress)
         for loader in loaders:
-            _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
+            set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
     # as in Lightning, the first loader's iterator exists before the hooks, the others' are
     # created when their turn comes, and no batch is requested past a loader's count
     first_iterator = iter(loaders[0]) if loaders else None

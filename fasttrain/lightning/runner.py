@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
 from fasttrain.sharding import is_fsdp2
+from fasttrain.lightning.combined import CombinedData
 from fasttrain.lightning.fast_log import step_logger
 from fasttrain.lightning.skipped_steps import StepReturnedNone, check_none_step
 from fasttrain.trainer import Trainer as FasttrainTrainer
@@ -44,6 +46,22 @@ class ModuleRunner(FasttrainTrainer):
             # FSDP2: the Trainer refuses FSDP1, accelerate's default version
             kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
         return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
+
+    def _prepare_model_optimizer_and_dataloaders(self):
+        # combined loaders (combined.py) are no DataLoader for accelerate: each loader in them is
+        # sharded on its own, and the loop iterates them as Lightning's CombinedLoader does
+        combined = self._train_dataloader if isinstance(self._train_dataloader, CombinedData) else None
+        if combined is None:
+            return super()._prepare_model_optimizer_and_dataloaders()
+        self._train_dataloader = None
+        try:
+            super()._prepare_model_optimizer_and_dataloaders()
+        finally:
+            self._train_dataloader = combined
+        if self._accelerator.distributed_type != DistributedType.NO:
+            from fasttrain.lightning.loops import prepare_train_loader
+
+            self._train_dataloader = prepare_train_loader(self, combined)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):
         self._train_dl_kwargs = {"batch_size": batch_size, "shuffle": False}

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
+from fasttrain.lightning.combined import as_given, flat
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loops import FitLoopState
@@ -301,15 +302,15 @@ class Trainer:
 
     @property
     def num_val_batches(self) -> list:
-        return [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in self._val_loaders]
+        return [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in flat(self._val_loaders)]
 
     @property
     def num_test_batches(self) -> list:
-        return [num_batches(RunningStage.TESTING, dl, self.limit_test_batches) for dl in self._test_loaders]
+        return [num_batches(RunningStage.TESTING, dl, self.limit_test_batches) for dl in flat(self._test_loaders)]
 
     @property
     def num_predict_batches(self) -> list:
-        return [num_batches(RunningStage.PREDICTING, dl, self.limit_predict_batches) for dl in self._predict_loaders]
+        return [num_batches(RunningStage.PREDICTING, dl, self.limit_predict_batches) for dl in flat(self._predict_loaders)]
 
     @property
     def val_check_batch(self):
@@ -333,7 +334,7 @@ class Trainer:
 
     @property
     def train_dataloader(self):
-        return self._train_loader
+        return as_given(self._train_loader)  # several loaders: as the user combined them
 
     @property
     def val_dataloaders(self):
