@@ -382,7 +382,11 @@ def _load_val_data(lt, given) -> None:
     loaders = [_processed(lt, dl, RunningStage.VALIDATING) for dl in loaders]
     for dl in loaders:
         num_batches(RunningStage.VALIDATING, dl, lt.limit_val_batches)  # Lightning's checks of the limit
-    lt._val_reloaded_epoch = lt.current_epoch
+    every = lt.check_val_every_n_epoch
+    if not lt.sanity_checking or every is None or (lt.current_epoch + 1) % every == 0:
+        # the sanity check's request counts as the epoch's only when this epoch validates
+        # (check_val_every_n_epoch): else the first validation requests them again, as in Lightning
+        lt._val_reloaded_epoch = lt.current_epoch
     runner = lt._runner
     if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
         loaders = [prepare_eval_loader(runner, dl) for dl in loaders]
@@ -402,8 +406,13 @@ def _load_data(lt, val_dataloaders) -> None:
     )
     lt._load_val_later = None
     if sanity:
-        with isolate_rng():
-            _load_val_data(lt, val_dataloaders)
+        # Lightning requests them inside its sanity check: val_dataloader() reads sanity_checking
+        lt.sanity_checking = True
+        try:
+            with isolate_rng():
+                _load_val_data(lt, val_dataloaders)
+        finally:
+            lt.training = True
     if lt._load_train_data is not None:
         lt._load_train_data()
     if not sanity:

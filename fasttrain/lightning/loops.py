@@ -108,6 +108,8 @@ def run_fit(lt, runner) -> None:
         with isolate_rng():
             run_evaluation(lt, runner, "validate", sanity=True)
         hooks.callbacks_only("on_sanity_check_end")
+        # what the sanity check's hooks read of its values goes, as in Lightning
+        lt._logger_connector.reset_metrics()
         lt.sanity_checking = False
     check_interval_fits_epoch(lt.val_check_interval, lt)  # after the sanity check, as in Lightning
     # Lightning creates the first epoch's data iterator here, after the sanity check and before
@@ -419,21 +421,25 @@ def run_evaluation(lt, runner, stage: str, sanity: bool = False) -> list:
                 if results.pending:
                     results.drain()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
+                # values logged with on_step=True in an evaluation step reach logged_metrics per
+                # batch (also in the sanity check, until its end resets them) and, outside the
+                # sanity check, the loggers, at a step counting this loader's batches, those of
+                # this loader only (several loaders), as in Lightning
+                step_logged = results.metrics(True, loader_idx)["log"] if several else results.metrics(True)["log"]
+                if step_logged:
+                    lt._logger_connector._logged_metrics.update(step_logged)
                 if not sanity:
                     if fitting:
                         val_loop._has_run = True
-                    # values logged with on_step=True in an evaluation step reach logged_metrics
-                    # and the loggers per batch, at a step counting this loader's batches, as in
-                    # Lightning
-                    step_logged = results.metrics(on_step=True)["log"]
                     key = (stage, loader_idx)
                     if step_logged:
-                        lt._logger_connector._logged_metrics.update(step_logged)
                         lt._logger_connector.log_metrics(step_logged, step=lt._eval_seen[key])
                     lt._eval_seen[key] += 1
     lt._eval_dataloader_idx = None
     results.dataloader_idx = None
-    lt._logger_connector.eval_epoch_ended = not sanity
+    # from here the epoch values reach callback_metrics when read, also in the sanity check's
+    # epoch-end hooks (Lightning's metrics read the finished epoch there; reset after the check)
+    lt._logger_connector.eval_epoch_ended = True
     hooks(f"on_{prefix}_epoch_end")
     if not sanity:
         logged = lt._finish_evaluation(results, len(loaders))

@@ -531,8 +531,8 @@ class Trainer:
 
     def _finish_evaluation(self, results: ResultStore, num_loaders: int) -> list:
         """The evaluation's epoch metrics into the metric dicts and the loggers; returns
-        Lightning's result list: one dict per loader, with that loader's ``/dataloader_idx_N``
-        values and those logged without a loader index (in the epoch hooks)."""
+        Lightning's result list: one dict per loader, with the values its batches logged and
+        those logged outside the loaders' batches (in the epoch hooks)."""
         connector = self._logger_connector
         logged = connector.absorb(results, on_step=False)
         connector.log_metrics(logged)
@@ -540,11 +540,10 @@ class Trainer:
         host = dict(zip(logged, to_host(logged).values()))
         if num_loaders == 1:
             return [host]
-        shared = {k: v for k, v in host.items() if "/dataloader_idx_" not in k}
-        return [
-            {**{k: v for k, v in host.items() if k.endswith(f"/dataloader_idx_{i}")}, **shared}
-            for i in range(num_loaders)
-        ]
+        # each loader's dict holds what its batches logged (with or without the loader's index
+        # in the name) and what was logged outside them, as Lightning splits its results
+        owner = results.logged_loaders()
+        return [{k: v for k, v in host.items() if owner.get(k) in (i, None)} for i in range(num_loaders)]
 
 
 def _planned_device(trainer) -> torch.device:
