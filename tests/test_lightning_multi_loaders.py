@@ -257,3 +257,26 @@ def test_several_loaders_in_two_processes_match_one_lightning_process(tmp_path):
         ours.load_state_dict(result["state_dict"])
         assert_same_weights(reference, ours, atol=1e-6)
         assert result["val_loss"] == pytest.approx(float(trainer.callback_metrics["val_loss"]), abs=1e-6)
+
+
+@pytest.mark.parametrize("flags", [dict(overfit_batches=2), dict(fast_dev_run=3), dict(reload_dataloaders_every_n_epochs=1)],
+                         ids=["overfit_batches", "fast_dev_run", "reload"])
+def test_several_shuffled_loaders_under_the_debugging_flags_like_lightning(flags):
+    def data():
+        return {"a": _loader(0, 20, shuffle=True), "b": _loader(1, 12, shuffle=True)}
+
+    _fit_both(data, max_epochs=3, **flags)
+
+
+@pytest.mark.parametrize("limit", [1.0, 3])
+def test_evaluation_over_a_loader_whose_len_raises_like_lightning(limit):
+    def action(trainer):
+        module = Multi()
+        results = trainer.validate(module, [NoLength(_samples(3, 20), batch_size=4), _loader(4, 8)], verbose=False)
+        return module.events, results, list(trainer.num_val_batches)
+
+    out = run_both(action, limit_val_batches=limit)
+    assert not isinstance(out["lightning"], BaseException), out["lightning"]
+    reference, ours = out["lightning"], out["fasttrain"]
+    assert ours[0] == reference[0] and ours[2] == reference[2]
+    assert_same_results(reference[1], ours[1])
