@@ -15,11 +15,13 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time_interval_seconds
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning.combined import CombinedData
 from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.plugins import Plugins, read_plugins
 from fasttrain.lightning.strategy import check_devices_argument, parse_strategy
@@ -82,17 +84,19 @@ def _batch_limit(name: str, value):
 
 
 def loader_length(loader):
-    """``len(loader)``, or ``inf`` for an iterable without a length (Lightning's count)."""
-    try:
-        return len(loader)
-    except TypeError:
-        return float("inf")
+    """``len(loader)``, or ``inf`` for an iterable without a length (Lightning's count: also
+    when ``len()`` raises ``NotImplementedError``)."""
+    length = sized_len(loader)
+    return float("inf") if length is None else length
 
 
 def num_batches(stage, loader, limit, processes: int = 1):
     """Lightning's count of the batches a loop takes from ``loader`` under ``limit`` (its
     errors for a fractional limit on a loader without a length, or a fraction giving no batch);
-    with several processes each takes every world-th batch."""
+    with several processes each takes every world-th batch. Combined loaders: each one counted
+    so, the counts combined by the mode."""
+    if isinstance(loader, CombinedData):
+        return loader.count(lambda part: num_batches(stage, part, limit, processes))
     length = loader_length(loader)
     if processes > 1 and length != float("inf"):
         length = math.ceil(length / processes)

@@ -7,31 +7,27 @@ import collections
 import functools
 import inspect
 import warnings
-from types import SimpleNamespace
 
-from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset, sized_len
 from lightning.fabric.utilities.distributed import _InfiniteBarrier
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.loggers.utilities import _log_hyperparams
 from lightning.pytorch.loops.utilities import _parse_loop_limits
-from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches, _worker_check
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.parsing import clean_namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from fasttrain.auto_resume import decided_by_first_process
 from fasttrain.engine import auto_engine_name
 from fasttrain.lightning import checkpoint as ckpt_io
-from fasttrain.lightning.arguments import LightningConfigError, num_batches
+from fasttrain.lightning.arguments import LightningConfigError
 from fasttrain.lightning.ckpt_path import select as select_ckpt_path
+from fasttrain.lightning.combined import evaluation_loaders, plain_loader, prediction_loaders
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     UPDATE_HOOKS,
@@ -45,20 +41,20 @@ from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks
 from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import handle_errors, teardown
 from fasttrain.lightning.run_checks import check_manual_optimization
+from fasttrain.lightning.run_data import (
+    datamodule_overrides,
+    load_data,
+    load_train_data,
+    load_val_data,
+    process_each,
+    process_loader,
+    request,
+)
 from fasttrain.lightning.runner import ModuleRunner
+from fasttrain.lightning.skipped_steps import may_return_none
 from fasttrain.lightning.strategy import check_launch
 
 _BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-
-
-def _as_list(loaders) -> list:
-    if loaders is None:
-        return []
-    if isinstance(loaders, (list, tuple)):
-        return list(loaders)
-    if isinstance(loaders, dict):
-        raise TypeError("a dict of dataloaders (CombinedLoader) is not supported; pass a list of dataloaders")
-    return [loaders]
 
 
 def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
@@ -139,40 +135,6 @@ def _verify_fit(module) -> None:
             )
 
 
-def _overfit(lt, loader, stage: RunningStage):
-    """With ``overfit_batches``, a shuffling loader is rebuilt to read in order (Lightning's
-    warning and rebuild), so every epoch sees the same batches."""
-    if lt.overfit_batches <= 0 or loader is None:
-        return loader
-    holder = SimpleNamespace(flattened=[loader])
-    _resolve_overfit_batches(holder, stage)
-    return holder.flattened[0]
-
-
-def _process_loader(lt, loader, stage: RunningStage):
-    """What Lightning checks and sets on every loader it is given: its warnings for a shuffling
-    evaluation loader and for few (or non-persistent spawned) workers, and, outside a fit, the
-    sampler's epoch (a fit sets it in its loops)."""
-    name = f"{stage.dataloader_prefix}_dataloader"
-    if stage is not RunningStage.TRAINING and _is_dataloader_shuffled(loader):
-        rank_zero_warn(
-            f"Your `{name}`'s sampler has shuffling enabled,"
-            " it is strongly recommended that you turn shuffling off for val/test dataloaders.",
-            category=PossibleUserWarning,
-        )
-    _worker_check(lt, loader, name)
-    if has_iterable_dataset(loader) and sized_len(loader) is not None:
-        rank_zero_warn(  # Lightning's words
-            "Your `IterableDataset` has `__len__` defined."
-            " In combination with multi-process data loading (when num_workers > 1),"
-            " `__len__` could be inaccurate if each worker is not configured independently"
-            " to avoid having duplicate data."
-        )
-    if lt.state.fn != TrainerFn.FITTING:
-        _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
-    return loader
-
-
 def _prepare_data(lt) -> None:
     """Lightning's rule for the DataModule's and then the module's ``prepare_data``, each only
     when overridden: it runs on local rank 0 of every node when the owner's
@@ -236,25 +198,6 @@ def _restore_weights(lt, path, weights_only) -> None:
         ckpt_io.restore_module(lt, path, weights_only)
 
 
-def _loader(lt, given, hook: str):
-    if given is not None:
-        return given
-    if lt.datamodule is not None and _is_overridden_dm(lt.datamodule, hook):
-        return getattr(lt.datamodule, hook)()
-    if module_overrides(lt.lightning_module, hook):
-        return lt._hooks.module_hook(hook)
-    return None
-
-
-def _has_source(lt, given, hook: str) -> bool:  # whether _loader would find loaders (requesting none)
-    dm = lt.datamodule
-    return given is not None or (dm is not None and _is_overridden_dm(dm, hook)) or module_overrides(lt.lightning_module, hook)
-
-
-def _is_overridden_dm(dm, hook: str) -> bool:
-    return getattr(type(dm), hook, None) is not getattr(LightningDataModule, hook, None)
-
-
 def _choose_engine(lt, requested: str, device) -> str:
     """The engine that can honour the module's hooks; one warning when that is not the one asked for."""
     module = lt.lightning_module
@@ -263,6 +206,15 @@ def _choose_engine(lt, requested: str, device) -> str:
     if not module.automatic_optimization:
         blockers, target = ["automatic_optimization = False"], "eager"
     else:
+        if name != "eager" and may_return_none(module):
+            warnings.warn(
+                f"fasttrain: the module's training_step can return None (Lightning then skips that batch's update), "
+                f"a Python path decided per batch, which one graph of the {name!r} engine cannot hold; this fit "
+                "runs on the 'eager' engine instead.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return "eager"
         blockers = [h for h in UPDATE_HOOKS if module_overrides(module, h)]
         blockers += [f"an optimizer whose step needs a closure ({type(o).__name__})"
                      for o in lt.optimizers if _needs_closure(o)]
@@ -311,83 +263,13 @@ def _to_device(lt, runner: ModuleRunner) -> None:
     lt.lightning_module.to(runner.device)
 
 
-def _load_train_data(lt, given, processes: int) -> None:
-    """Request the fit's training dataloader (``given`` to fit, else the DataModule's or the
-    module's ``train_dataloader()``) and count its batches; again at the epochs
-    ``reload_dataloaders_every_n_epochs`` names."""
-    lt._load_train_data = None
-    train_loader = _loader(lt, given, "train_dataloader")
-    if train_loader is None:
-        raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
-    if isinstance(train_loader, (list, tuple, dict)):
-        raise TypeError("fit() takes one training dataloader; several (CombinedLoader) are not supported")
-    train_loader = _process_loader(lt, _overfit(lt, train_loader, RunningStage.TRAINING), RunningStage.TRAINING)
-    # accelerate gives each process every world-th batch (padded to the same count), so the
-    # per-process count is known before the loaders are prepared
-    lt.num_training_batches = num_batches(RunningStage.TRAINING, train_loader, lt.limit_train_batches, processes)
-    if lt.loggers and lt.num_training_batches < lt.log_every_n_steps and not lt.fast_dev_run:
-        rank_zero_warn(
-            f"The number of training batches ({lt.num_training_batches}) is smaller than the logging interval"
-            f" Trainer(log_every_n_steps={lt.log_every_n_steps}). Set a lower value for log_every_n_steps if"
-            " you want to see logs for the training epoch.",
-            category=PossibleUserWarning,
-        )
-    lt._train_reloaded_epoch = lt.current_epoch
-    runner = lt._runner
-    if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
-        # a reload inside the fit: shard the new loader as the first one was
-        train_loader = runner._accelerator.prepare(train_loader)
-        train_loader.batch_sampler.even_batches = True
-    lt._train_loader = train_loader
-
-
-def _load_val_data(lt, given) -> None:
-    """Request the fit's validation dataloaders, only when validation can run
-    (``validation_step`` defined, ``limit_val_batches`` not 0), as Lightning requests them;
-    again at the validations ``reload_dataloaders_every_n_epochs`` names."""
-    module = lt.lightning_module
-    wanted = lt._has_val_step and lt.limit_val_batches != 0
-    loaders = _as_list(_loader(lt, given, "val_dataloader")) if wanted else []
-    loaders = [_process_loader(lt, _overfit(lt, dl, RunningStage.VALIDATING), RunningStage.VALIDATING) for dl in loaders]
-    for dl in loaders:
-        num_batches(RunningStage.VALIDATING, dl, lt.limit_val_batches)  # Lightning's checks of the limit
-    lt._val_reloaded_epoch = lt.current_epoch
-    runner = lt._runner
-    if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
-        loaders = [prepare_eval_loader(runner, dl) for dl in loaders]
-    lt._val_loaders = loaders
-
-
-def _load_data(lt, val_dataloaders) -> None:
-    """The dataloaders in Lightning's order: when a sanity check will run, the validation loaders
-    first, inside the random-state isolation the sanity check runs in (what ``val_dataloader()``
-    draws does not change the training data), then the training loader (unless reading
-    ``estimated_stepping_batches`` in ``configure_optimizers`` loaded it already); otherwise
-    the training loader, and the validation loaders once the fit loop has created the first
-    epoch's data iterator (``lt._load_val_later``, see :func:`~fasttrain.lightning.loops.run_fit`)."""
-    sanity = (
-        lt.num_sanity_val_steps != 0 and lt._has_val_step
-        and lt.limit_val_batches != 0 and not lt._restarting
-    )
-    lt._load_val_later = None
-    if sanity:
-        with isolate_rng():
-            _load_val_data(lt, val_dataloaders)
-    if lt._load_train_data is not None:
-        lt._load_train_data()
-    if not sanity:
-        lt._val_loaders = []
-        if _has_source(lt, val_dataloaders, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
-            lt._load_val_later = functools.partial(_load_val_data, lt, val_dataloaders)
-
-
 def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only=None) -> None:
     """Lightning's fit, in its start-up order: the process group (the run's ModuleRunner);
     prepare_data, setup, configure_model; from a checkpoint, the module's ``on_load_checkpoint``
     and weights, the DataModule's state and the callbacks'; the module to the device;
     ``configure_optimizers``; ``on_fit_start``; hyperparameters to the loggers; from the
     checkpoint, the loop counters, optimizer and scheduler states; the dataloaders (see
-    :func:`_load_data`); then the fit loop (sanity check, ``on_train_start``, the epochs)."""
+    :func:`~fasttrain.lightning.run_data.load_data`); then the fit loop (sanity check, ``on_train_start``, the epochs)."""
     if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
         raise ValueError("pass either dataloaders or a datamodule to fit(), not both")
     if isinstance(train_dataloaders, LightningDataModule):
@@ -421,9 +303,9 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     # estimated_stepping_batches; until then the number of training batches is unknown
     lt._train_loader, lt._val_loaders = None, []
     lt.num_training_batches = float("inf")
-    lt._load_train_data = functools.partial(_load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
-    lt._reload_train_data = functools.partial(_load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
-    lt._reload_val_data = functools.partial(_load_val_data, lt, val_dataloaders)
+    lt._load_train_data = functools.partial(load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
+    lt._reload_train_data = functools.partial(load_train_data, lt, train_dataloaders, runner._accelerator.num_processes)
+    lt._reload_val_data = functools.partial(load_val_data, lt, val_dataloaders)
     optimizers, lt.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
     lt.optimizers = optimizers
     if module.automatic_optimization and len(optimizers) != 1:
@@ -462,7 +344,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
             _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
         if checkpoint is not None:
             ckpt_io.restore_training_state(lt, ckpt_path, checkpoint)
-        _load_data(lt, val_dataloaders)
+        load_data(lt, val_dataloaders)
         runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
         if lt._args.enable_model_summary and lt.is_global_zero:
             print(summarize(module))
@@ -504,7 +386,7 @@ def _check_validation_setup(lt, given) -> None:
     if given is not None:
         has_loader = True
     elif dm is not None:
-        has_loader = _is_overridden_dm(dm, "val_dataloader")
+        has_loader = datamodule_overrides(dm, "val_dataloader")
     else:
         has_loader = module_overrides(lt.lightning_module, "val_dataloader")
     if has_loader and not lt._has_val_step:
@@ -543,18 +425,18 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     runner = _runner(lt, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     _setup_hooks(lt, fn)
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
-    loaders = _as_list(_loader(lt, dataloaders, hook))
+    loaders = evaluation_loaders(request(lt, dataloaders, hook))
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
     running = RunningStage.TESTING if stage == "test" else RunningStage.VALIDATING
-    loaders = [_process_loader(lt, dl, running) for dl in loaders]
+    loaders = [process_each(lt, dl, running) for dl in loaders]
     if stage == "test":
         lt._test_loaders = loaders
     else:
         lt._val_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
-    runner.prepare_for_evaluation(loaders[0])
+    runner.prepare_for_evaluation(plain_loader(loaders[0]))
     if runner.run_config.is_distributed:
         loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
     logged = run_evaluation(lt, runner, stage)
@@ -578,14 +460,15 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
         raise LightningConfigError("`predict_step` cannot be None to run `Trainer.predict`")
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
-    loaders = _as_list(_loader(lt, dataloaders, "predict_dataloader"))
+    loaders = prediction_loaders(request(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    loaders = [index_predict_loader(_process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
+    # prediction_loaders gives plain loaders only (a sequential CombinedLoader flattened)
+    loaders = [index_predict_loader(process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
     lt._predict_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
-    runner.prepare_for_evaluation(loaders[0])
+    runner.prepare_for_evaluation(plain_loader(loaders[0]))
     predictions = run_predict(lt, runner, loaders)
     lt.strategy.teardown()
     teardown(lt, TrainerFn.PREDICTING)

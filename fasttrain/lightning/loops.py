@@ -14,7 +14,6 @@ import time
 
 import torch
 from lightning.fabric.utilities import move_data_to_device
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -24,8 +23,10 @@ from lightning.pytorch.loops.utilities import _verify_dataloader_idx_requirement
 from lightning.pytorch.trainer.states import RunningStage
 
 from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
+from fasttrain.lightning.combined import CombinedData, check_trainable_mode, flat, limited_counts, set_sampler_epoch
 from fasttrain.lightning.grad_modes import evaluation_context
 from fasttrain.lightning.profiler import profiling, strategy_action, timed, timed_iterator
+from fasttrain.lightning.skipped_steps import StepReturnedNone, skip_none_batch, skip_step
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -48,10 +49,22 @@ def transfer(lt, batch, dataloader_idx: int = 0):
 
 
 def prepare_eval_loader(runner, loader):
-    """An evaluation loader sharded over the processes, without padding samples (the epoch
-    means are over real samples only)."""
+    """An evaluation loader (each loader combined in it) sharded over the processes, without
+    padding samples (the epoch means are over real samples only)."""
+    if isinstance(loader, CombinedData):
+        return loader.map(lambda part: prepare_eval_loader(runner, part))
     prepared = runner._accelerator.prepare(loader)
     prepared.batch_sampler.even_batches = False
+    return prepared
+
+
+def prepare_train_loader(runner, loader):
+    """A training loader (each loader combined in it) sharded over the processes, each process
+    taking the same number of batches."""
+    if isinstance(loader, CombinedData):
+        return loader.map(lambda part: prepare_train_loader(runner, part))
+    prepared = runner._accelerator.prepare(loader)
+    prepared.batch_sampler.even_batches = True
     return prepared
 
 
@@ -75,7 +88,9 @@ def run_fit(lt, runner) -> None:
         with isolate_rng():
             run_evaluation(lt, runner, "validate", sanity=True)
         hooks.callbacks_only("on_sanity_check_end")
-        # as in Lightning, the sanity check leaves no trace in the validation loop's counters
+        # as in Lightning, the sanity check leaves no trace in the validation loop's counters,
+        # and what its hooks read of its values goes
+        lt._logger_connector.reset_metrics()
         epoch_loop.val_loop.batch_progress.reset()
         lt.sanity_checking = False
     check_interval_fits_epoch(lt.val_check_interval, lt)  # after the sanity check, as in Lightning
@@ -118,11 +133,10 @@ def run_fit(lt, runner) -> None:
     steps, zero_grads = optimizer_counts.step, optimizer_counts.zero_grad
     count_zero_grad = not lt._own_zero_grad  # else counted around the zero-grad hooks (runner)
     connector, pbar_metrics = lt._logger_connector, lt._pbar_metrics
-    train_step, closure_step, manual_step = engine.train_step, runner.closure_step, lt._manual_step
+    automatic_step, manual_step = functools.partial(_automatic_step, lt, runner, engine), lt._manual_step
     profiler = lt.profiler if profiling(lt) else None
     if profiler is not None:  # the optimization of each batch timed as Lightning times it
-        train_step = timed(profiler, "run_training_batch", train_step)
-        closure_step = timed(profiler, "run_training_batch", closure_step)
+        automatic_step = timed(profiler, "run_training_batch", automatic_step)
         manual_step = timed(profiler, "run_training_batch", manual_step)
     while not _fit_done(lt):
         epoch = lt.current_epoch
@@ -138,7 +152,7 @@ def run_fit(lt, runner) -> None:
                     next(dropped, None)
                 del dropped
         loader = lt._train_loader
-        _set_sampler_epoch(loader, epoch)
+        set_sampler_epoch(loader, epoch)
         num_batches = lt.num_training_batches
         # not reset here: values logged in on_train_start count in the first epoch, as in
         # Lightning (the store is reset when a run starts and after each epoch's metrics)
@@ -155,6 +169,7 @@ def run_fit(lt, runner) -> None:
             if lt._load_val_later is not None:
                 _load_deferred_val(lt)
             epoch_loop.val_loop.pass_over(lt.num_val_batches)
+        check_trainable_mode(loader)  # Lightning's error for a sequential CombinedLoader, raised here
         if iterator is None:
             iterator = iter(loader)  # later epochs: after on_train_epoch_start, as in Lightning
         # no batch is requested past the epoch's last: a sampler run to its end draws from the
@@ -176,7 +191,7 @@ def run_fit(lt, runner) -> None:
             current.ready += 1
             total.ready += 1
             results.start_batch(batch)
-            if batch_start_hooked and hooks("on_train_batch_start", batch, batch_idx) == -1:
+            if batch_start_hooked and batch is not None and hooks("on_train_batch_start", batch, batch_idx) == -1:
                 # the rest of the epoch is skipped; Lightning still steps the schedulers as at
                 # an epoch's last batch
                 batches.is_last_batch = True
@@ -185,28 +200,29 @@ def run_fit(lt, runner) -> None:
                 lt._step_schedulers("step", batch_idx)
                 lt._step_schedulers("epoch", batch_idx)
                 break
-            current.started += 1
-            total.started += 1
+            if batch is not None:  # a None batch starts nothing (Lightning skips its hooks and step)
+                current.started += 1
+                total.started += 1
             update = (batch_idx + 1) % k == 0 or last
             window_start = runner.window_start = batch_idx % k == 0
-            if module.automatic_optimization:
-                if update:
-                    steps.increment_ready()
-                if update and lt._module_steps:
-                    batch_output = closure_step(batch)
+            if batch is None or module.automatic_optimization:
+                if batch is None:  # no step, no update (see skipped_steps.py)
+                    outputs = skip_none_batch(lt, runner, update)
                 else:
-                    batch_output = train_step(batch, update)
+                    if update:
+                        steps.increment_ready()
+                    batch_output = automatic_step(batch, batch_idx, update)
                     if results.pending:
                         results.drain()
-                    if window_start and count_zero_grad:
-                        zero_grads.increment_by(1)
-                if update:
-                    steps.increment_completed()
-                    runner.progress.num_updates += 1
+                    if window_start and count_zero_grad and not (update and lt._module_steps):
+                        zero_grads.increment_by(1)  # a closure step counts its own
+                    if update:
+                        steps.increment_completed()
+                        runner.progress.num_updates += 1
+                    if batch_end_hooked:
+                        outputs = _batch_end_outputs(batch_output, k)
                 current.processed += 1
                 total.processed += 1
-                if batch_end_hooked:
-                    outputs = _batch_end_outputs(batch_output, k)
                 if schedulers:
                     if update:
                         lt._step_schedulers("step", batch_idx)
@@ -268,6 +284,19 @@ def run_fit(lt, runner) -> None:
     hooks("on_train_end")
 
 
+def _automatic_step(lt, runner, engine, batch, batch_idx: int, update: bool):
+    """A batch under automatic optimization: the engine's step, or on a stepping batch the
+    module's ``optimizer_step`` with its closure (``lt._module_steps``); a batch whose
+    ``training_step`` returned None ends on the host (see skipped_steps.py). Returns the step's
+    output, None for a skipped step."""
+    try:
+        if update and lt._module_steps:
+            return runner.closure_step(batch)
+        return engine.train_step(batch, update)
+    except StepReturnedNone:
+        return skip_step(lt, runner, update, batch_idx)
+
+
 def _numbered(iterator, first: int, end):
     """``(index, batch)`` from ``first`` up to ``end`` (``inf``: until the data ends), never
     requesting a batch past ``end``."""
@@ -292,9 +321,12 @@ def _look_ahead(loader, ended: list):
         yield batch
 
 
-def _batch_end_outputs(batch_output: dict, k: int) -> dict:
+def _batch_end_outputs(batch_output, k: int) -> dict:
     """``on_train_batch_end``'s ``outputs``, as Lightning builds them: the detached loss divided
-    by the accumulation steps, and the other entries of a dict that ``training_step`` returned."""
+    by the accumulation steps, and the other entries of a dict that ``training_step`` returned;
+    an empty dict for a step that returned None."""
+    if batch_output is None:
+        return {}
     loss = batch_output["loss"].detach()
     outputs = {"loss": loss / k if k > 1 else loss}
     output = batch_output["output"]
@@ -341,9 +373,7 @@ def _load_deferred_val(lt) -> None:
     load, lt._load_val_later = lt._load_val_later, None
     load()
     # the validation loop counts its loaders when it requests them, as Lightning's does
-    lt.fit_loop.epoch_loop.val_loop._max_batches = [
-        num_batches(RunningStage.VALIDATING, loader, lt.limit_val_batches) for loader in lt._val_loaders
-    ]
+    lt.fit_loop.epoch_loop.val_loop._max_batches = lt.num_val_batches
 
 
 def _should_validate(lt, batch_idx: int, last: bool) -> bool:
@@ -396,8 +426,9 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     fitting = lt.state.fn == "fit"
     loop = lt.fit_loop.epoch_loop.val_loop if fitting else lt.test_loop if testing else lt.validate_loop
     running = RunningStage.TESTING if testing else RunningStage.VALIDATING
-    loop._max_batches = [num_batches(running, loader, limit) for loader in loaders]
-    counts = loop.max_batches  # the sanity check's, while it runs
+    # counted per loader, those combined in a CombinedLoader one by one (as Lightning lists them)
+    loop._max_batches = [num_batches(running, loader, limit) for loader in flat(loaders)]
+    counts = limited_counts(loaders, loop.max_batches)  # the sanity check's, while it runs
     # Lightning's "a validation ran" flag (set by a batch outside the sanity check:
     # ModelCheckpoint only warns about a missing monitored value until then) and batch counters
     loop.start_run()
@@ -406,7 +437,7 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     if fitting:
         # Lightning sets the evaluation samplers' epoch in a fit (some shuffle by training progress)
         for loader in loaders:
-            _set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
+            set_sampler_epoch(loader, lt.fit_loop.epoch_progress.current.processed)
     # as in Lightning, the first loader's iterator exists before the hooks, the others' are
     # created when their turn comes, and no batch is requested past a loader's count
     first_iterator = iter(loaders[0]) if loaders else None
@@ -441,20 +472,24 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
                 progress.increment_processed()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
                 progress.increment_completed()
+                # values logged with on_step=True in an evaluation step reach logged_metrics per
+                # batch (also in the sanity check, until its end resets them) and, outside the
+                # sanity check, the loggers, at a step counting this loader's batches, those of
+                # this loader only (several loaders), as in Lightning
+                step_logged = results.metrics(True, loader_idx)["log"] if several else results.metrics(True)["log"]
+                if step_logged:
+                    lt._logger_connector._logged_metrics.update(step_logged)
                 if not sanity:
                     loop._has_run = True
-                    # values logged with on_step=True in an evaluation step reach logged_metrics
-                    # and the loggers per batch, at a step counting this loader's batches, as in
-                    # Lightning
-                    step_logged = results.metrics(on_step=True)["log"]
                     key = (stage, loader_idx)
                     if step_logged:
-                        lt._logger_connector._logged_metrics.update(step_logged)
                         lt._logger_connector.log_metrics(step_logged, step=lt._eval_seen[key])
                     lt._eval_seen[key] += 1
     lt._eval_dataloader_idx = None
     results.dataloader_idx = None
-    lt._logger_connector.eval_epoch_ended = not sanity
+    # from here the epoch values reach callback_metrics when read, also in the sanity check's
+    # epoch-end hooks (Lightning's metrics read the finished epoch there; reset after the check)
+    lt._logger_connector.eval_epoch_ended = True
     hooks(f"on_{prefix}_epoch_end")
     if not sanity:
         logged = lt._finish_evaluation(results, len(loaders))

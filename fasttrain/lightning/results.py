@@ -20,6 +20,7 @@ import torch
 from fasttrain.lightning.errors import LightningConfigError
 
 REDUCTIONS = ("mean", "max", "min", "sum")
+_ALL = object()  # ResultStore.metrics: the values of every loader
 # the callables Lightning accepts (torch's and Python's builtins), by the reduction they name;
 # every reduction runs on the device (a builtin ``max`` of two tensors would read them on the host)
 _CALLABLE_REDUCTIONS = {
@@ -78,6 +79,7 @@ class LoggedValue:
     __slots__ = (
         "fx", "name", "on_step", "on_epoch", "reduce", "prog_bar", "logger", "enable_graph",
         "sync", "metric", "step_value", "total", "count", "has_value", "_computed", "given_options", "suffix",
+        "dataloader_idx",
     )
 
     def __init__(self, fx, name, *, on_step, on_epoch, reduce, prog_bar, logger, enable_graph, sync, metric,
@@ -86,6 +88,8 @@ class LoggedValue:
         #: ``/dataloader_idx_N`` when several evaluation loaders run: it follows the _step/_epoch
         #: fork (``x_epoch/dataloader_idx_0``), as in Lightning
         self.suffix = suffix
+        #: the evaluation loader whose batch logged it (several loaders), None elsewhere
+        self.dataloader_idx: Optional[int] = None
         self.on_step, self.on_epoch, self.reduce = on_step, on_epoch, reduce
         self.prog_bar, self.logger, self.enable_graph = prog_bar, logger, enable_graph
         self.sync: Optional[Callable] = sync  # reduces a tensor over processes (sync_dist=True)
@@ -231,6 +235,7 @@ class ResultStore:
                 suffix=suffix,
             )
             entry.given_options = options
+            entry.dataloader_idx = self.dataloader_idx
             self.entries[key] = entry
         elif options != entry.given_options:
             if add_dataloader_idx and self.dataloader_idx is not None:
@@ -256,11 +261,12 @@ class ResultStore:
             if (metrics is None or metrics ^ is_tensor) and (fx is None or entry.fx == fx):
                 entry.reset()
 
-    def metrics(self, on_step: bool) -> Dict[str, Dict[str, Any]]:
-        """``{"callback", "log", "pbar"}`` dicts of device tensors, as Lightning builds them."""
+    def metrics(self, on_step: bool, dataloader_idx=_ALL) -> Dict[str, Dict[str, Any]]:
+        """``{"callback", "log", "pbar"}`` dicts of device tensors, as Lightning builds them;
+        given ``dataloader_idx``, only the values that loader's batches logged."""
         out = {"callback": {}, "log": {}, "pbar": {}}
         for entry in self.entries.values():
-            if not entry.has_value:
+            if not entry.has_value or (dataloader_idx is not _ALL and entry.dataloader_idx != dataloader_idx):
                 continue
             if on_step:
                 value = entry.step_value if entry.on_step else None
@@ -279,6 +285,12 @@ class ResultStore:
             if entry.prog_bar:
                 out["pbar"][forked] = value
         return out
+
+    def logged_loaders(self) -> Dict[str, Optional[int]]:
+        """For each name the loggers get at the epoch end: the evaluation loader whose batches
+        logged it (also without ``/dataloader_idx_N`` in the name), None for a value logged
+        outside the loaders' batches (an epoch hook)."""
+        return {entry.names(False)[1]: entry.dataloader_idx for entry in self.entries.values() if entry.logger}
 
 
 class _Sync:

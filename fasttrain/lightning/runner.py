@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
 from fasttrain.sharding import is_fsdp2
+from fasttrain.lightning.combined import CombinedData
 from fasttrain.lightning.fast_log import step_logger
 from fasttrain.lightning.grad_modes import anomaly_context
 from fasttrain.lightning.graph_logging import LoggedCalls
 from fasttrain.lightning.profiler import profiling, strategy_action, timed
+from fasttrain.lightning.skipped_steps import StepReturnedNone, check_none_step, raise_step_returned_none
 from fasttrain.trainer import Trainer as FasttrainTrainer
 
 
@@ -42,6 +45,22 @@ class ModuleRunner(FasttrainTrainer):
     def _create_accelerator(self) -> Accelerator:
         kwargs = self.lt._args.strategy.accelerator_kwargs()  # DDP's options, FSDP2's plugin
         return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
+
+    def _prepare_model_optimizer_and_dataloaders(self):
+        # combined loaders (combined.py) are no DataLoader for accelerate: each loader in them is
+        # sharded on its own, and the loop iterates them as Lightning's CombinedLoader does
+        combined = self._train_dataloader if isinstance(self._train_dataloader, CombinedData) else None
+        if combined is None:
+            return super()._prepare_model_optimizer_and_dataloaders()
+        self._train_dataloader = None
+        try:
+            super()._prepare_model_optimizer_and_dataloaders()
+        finally:
+            self._train_dataloader = combined
+        if self._accelerator.distributed_type != DistributedType.NO:
+            from fasttrain.lightning.loops import prepare_train_loader
+
+            self._train_dataloader = prepare_train_loader(self, combined)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: dict = None):
         self._train_dl_kwargs = {"batch_size": batch_size, "shuffle": False}
@@ -166,30 +185,38 @@ class ModuleRunner(FasttrainTrainer):
             loss = output
         elif isinstance(output, dict) and "loss" in output:
             loss = output["loss"]
+        elif output is None:
+            # Lightning skips this batch's backward: the fit loop does (skipped_steps.py)
+            raise_step_returned_none(self.batch_idx)
         else:
             raise ValueError(
-                "training_step must return the loss tensor or a dict with a 'loss' key under automatic "
-                f"optimization, got {type(output).__name__}; fasttrain does not skip batches on a None "
-                "return (filter the data instead)."
+                "training_step must return the loss tensor, a dict with a 'loss' key or None under automatic "
+                f"optimization, got {type(output).__name__}."
             )
         return {"loss": loss, "output": output}
 
     def backward_step(self, loss):
         lt = self.lt
-        hooks = lt._hooks
         if self.window_start and lt._own_zero_grad:
-            # Lightning clears gradients before the first backward of a window
-            optimizer = lt.optimizers[0]
-            counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
-            counts.increment_ready()
-            hooks("on_before_zero_grad", optimizer)
-            counts.increment_started()
-            hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
-            counts.increment_completed()
+            self.zero_grad_at_window_start()
         if lt._plain_backward_hooks:
             super().backward_step(loss)
         else:
             self._strategy_backward(loss, lt.optimizers[0])
+
+    def zero_grad_at_window_start(self) -> None:
+        """Lightning clears gradients before the first backward of a window, through the
+        module's and callbacks' zero-grad hooks when they override them (else fasttrain's step
+        has cleared them after the last update)."""
+        lt = self.lt
+        if lt._own_zero_grad:
+            optimizer = lt.optimizers[0]
+            counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+            counts.increment_ready()
+            lt._hooks("on_before_zero_grad", optimizer)
+            counts.increment_started()
+            lt._hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
+            counts.increment_completed()
 
     def closure_step(self, batch) -> dict:
         """A stepping batch when the module overrides ``optimizer_step`` or the optimizer's step
@@ -208,9 +235,19 @@ class ModuleRunner(FasttrainTrainer):
         def closure():
             if clear:
                 optimizer.zero_grad()
-            batch_output = self.calculate_train_batch_loss(batch)
+            try:
+                batch_output = self.calculate_train_batch_loss(batch)
+            except StepReturnedNone:
+                batch_output = None
             if clear:
                 counts.increment_by(1)  # Lightning counts its zero_grad after the training step
+            if batch_output is None:
+                # as Lightning's closure: no backward, the optimizer steps on what it has
+                check_none_step(lt, self.batch_idx)
+                if self.window_start:
+                    self.zero_grad_at_window_start()
+                result["output"] = None
+                return None
             self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output
             return batch_output["loss"]

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, r
 
 from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
+from fasttrain.lightning.combined import as_given, flat
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loop_objects import LoopProperties
@@ -149,7 +150,7 @@ class Trainer(LoopProperties):
         #: whether the module or a callback zeroes gradients in its own hooks (decided when a fit
         #: starts; an evaluation's engine reads it too)
         self._own_zero_grad = False
-        #: requests the fit's validation loaders when no sanity check does (see fit._load_data)
+        #: requests the fit's validation loaders when no sanity check does (see run_data.load_data)
         self._load_val_later = None
 
     # ------------------------------------------------------------------ construction
@@ -301,15 +302,15 @@ class Trainer(LoopProperties):
 
     @property
     def num_val_batches(self) -> list:
-        return [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in self._val_loaders]
+        return [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in flat(self._val_loaders)]
 
     @property
     def num_test_batches(self) -> list:
-        return [num_batches(RunningStage.TESTING, dl, self.limit_test_batches) for dl in self._test_loaders]
+        return [num_batches(RunningStage.TESTING, dl, self.limit_test_batches) for dl in flat(self._test_loaders)]
 
     @property
     def num_predict_batches(self) -> list:
-        return [num_batches(RunningStage.PREDICTING, dl, self.limit_predict_batches) for dl in self._predict_loaders]
+        return [num_batches(RunningStage.PREDICTING, dl, self.limit_predict_batches) for dl in flat(self._predict_loaders)]
 
     @property
     def val_check_batch(self):
@@ -333,7 +334,7 @@ class Trainer(LoopProperties):
 
     @property
     def train_dataloader(self):
-        return self._train_loader
+        return as_given(self._train_loader)  # several loaders: as the user combined them
 
     @property
     def val_dataloaders(self):
@@ -467,7 +468,7 @@ class Trainer(LoopProperties):
         if not self.enable_validation or self.num_sanity_val_steps == 0:
             return 0
         loaders = [loader] if loader is not None else self._val_loaders
-        if not loaders:  # not requested yet: no sanity check runs (see fit's _load_data)
+        if not loaders:  # not requested yet: no sanity check runs (see run_data.load_data)
             return 0
         counts = [num_batches(RunningStage.VALIDATING, dl, self.limit_val_batches) for dl in loaders]
         return min(self.num_sanity_val_steps, max(counts))  # inf (all batches) when -1 was given
@@ -538,8 +539,8 @@ class Trainer(LoopProperties):
 
     def _finish_evaluation(self, results: ResultStore, num_loaders: int) -> list:
         """The evaluation's epoch metrics into the metric dicts and the loggers; returns
-        Lightning's result list: one dict per loader, with that loader's ``/dataloader_idx_N``
-        values and those logged without a loader index (in the epoch hooks)."""
+        Lightning's result list: one dict per loader, with the values its batches logged and
+        those logged outside the loaders' batches (in the epoch hooks)."""
         connector = self._logger_connector
         logged = connector.absorb(results, on_step=False)
         self._pbar_metrics.refresh()  # an evaluation's end: the bar's metrics to the host
@@ -548,11 +549,10 @@ class Trainer(LoopProperties):
         host = dict(zip(logged, to_host(logged).values()))
         if num_loaders == 1:
             return [host]
-        shared = {k: v for k, v in host.items() if "/dataloader_idx_" not in k}
-        return [
-            {**{k: v for k, v in host.items() if k.endswith(f"/dataloader_idx_{i}")}, **shared}
-            for i in range(num_loaders)
-        ]
+        # each loader's dict holds what its batches logged (with or without the loader's index
+        # in the name) and what was logged outside them, as Lightning splits its results
+        owner = results.logged_loaders()
+        return [{k: v for k, v in host.items() if owner.get(k) in (i, None)} for i in range(num_loaders)]
 
 
 def planned_device(trainer) -> torch.device:
