@@ -23,10 +23,12 @@ _SCHEDULES = {
     ("convnet", "cpu"): (8, 2, 3),
     ("gpt", "cpu"): (100, 10, 3),
     ("hf-gpt2", "cpu"): (100, 10, 3),
+    ("overhead", "cpu"): (2000, 50, 7),
     ("mlp", "cuda"): (500, 50, 5),
     ("convnet", "cuda"): (100, 20, 5),
     ("gpt", "cuda"): (100, 20, 3),
     ("hf-gpt2", "cuda"): (100, 20, 3),
+    ("overhead", "cuda"): (2000, 50, 7),
 }
 #: GPT-2 124M (either implementation) on CUDA
 _GPT_124M_CUDA = (40, 10, 3)
