@@ -34,17 +34,22 @@ def train_epoch(trainer, train_dl) -> bool:
     interrupt = trainer._interrupt
     progress = trainer.progress
     reached_max_steps = False
+    # The per-step work of the loop stays a few attribute reads: on a launch-bound GPU step
+    # (benchmarks/README.md, the overhead workload) every call here is host time per step.
     for step, batch in enumerate(batches, start=first_step):
         progress.step_in_epoch = step
-        handler.call_methods(step_start, trainer)
+        if step_start:  # an event without callbacks costs no call
+            handler.call_methods(step_start, trainer)
         update = (step + 1) % k == 0 or step + 1 == num_batches
         batch_output = engine.train_step(batch, update)
         buffer.add(step, batch_output)
         if update:
             progress.num_updates += 1
-            buffer.add_grad_norm(engine.last_grad_norm)
+            if engine.last_grad_norm is not None:
+                buffer.add_grad_norm(engine.last_grad_norm)
         progress.step_in_epoch = step + 1
-        handler.call_methods(step_end, trainer, batch=batch, batch_output=batch_output, step=step)
+        if step_end:
+            handler.call_train_step_end(step_end, trainer, batch, batch_output, step)
         if update:
             if progress.num_updates % trainer.log_every_n_steps == 0:
                 flush(trainer, buffer, is_epoch_end=False)

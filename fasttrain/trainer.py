@@ -310,7 +310,8 @@ class Trainer(ForwardBackwardHelper):
         xb, yb = batch[0], batch[1]
         model_outputs = self.model(xb)
         loss = self.loss_func(model_outputs, yb)
-        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+        # shape[0], an attribute, rather than size(0), a call through torch's argument parser
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.shape[0]}
 
     def backward_step(self, loss):
         if self._plain_backward:

@@ -128,14 +128,15 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_train_step_end(self, trainer, *, step=None, **kwargs):
         bar = self.pbar
+        n = bar.n
         # The step index, not a count of calls: a run resumed mid-epoch starts past 0. The
         # trainer always passes it; a call without it advances the bar by one.
         if step is None:
-            step = bar.n
-        if step >= bar.n:
+            step = n
+        if step >= n:
             if step >= bar.total:  # resumed mid-epoch: the steps before count too
                 bar.total = min(step + 1 + bar.total, len(trainer._train_dataloader))
-            bar.update(step + 1 - bar.n)
+            bar.update(step + 1 - n)
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
         train = metrics.phase == "train"

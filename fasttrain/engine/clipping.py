@@ -294,7 +294,9 @@ class UpdateClip:
         return self.guard.checks_gradients or (self.clipper is not None and self.clipper.enabled)
 
     def __call__(self) -> Optional[torch.Tensor]:
-        if not self.active:
+        guard, clipper = self.guard, self.clipper
+        # ``active``, spelled out: this runs once per update
+        if not guard.checks_gradients and (clipper is None or not clipper.enabled):
             return None
         if self.accelerator is not None and self.accelerator.scaler is not None:
             self.accelerator.unscale_gradients()
