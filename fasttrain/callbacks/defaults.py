@@ -143,7 +143,7 @@ class ProgressBarCallback(TrainerCallback):
         bar = self.pbar if train else self.eval_pbar
         if bar is None or bar.disable:
             return
-        postfix = {"loss": f"{metrics.global_epoch_mean_loss:.4g}"}
+        postfix = f"loss={metrics.global_epoch_mean_loss:.4g}"
         if metrics.is_epoch_end:
             # the whole epoch's rate: the last flush may hold few steps, or none at all
             elapsed = time.perf_counter() - self._started["train" if train else "eval"]
@@ -151,8 +151,10 @@ class ProgressBarCallback(TrainerCallback):
         else:
             elapsed, samples = metrics.elapsed_s, metrics.num_samples
         if elapsed > 0 and samples > 0:
-            postfix["samples/s"] = f"{samples / elapsed:.4g}"
-        bar.set_postfix(postfix, refresh=False)
+            postfix += f", samples/s={samples / elapsed:.4g}"
+        # the text set_postfix({"loss": ..., "samples/s": ...}) makes, without its per-value
+        # type checks and conversions: the values are formatted strings already
+        bar.set_postfix_str(postfix, refresh=False)
         if metrics.is_epoch_end:
             bar.refresh()
 

@@ -13,11 +13,6 @@ class EagerEngine(StepEngine):
 
     name = "eager"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        # decided once: a clip with nothing to do (no clipping, no non-finite check) is not called
-        self._clip = None if getattr(ctx.clip, "active", True) is False else ctx.clip
-
     def train_step(self, batch, update: bool) -> dict:
         trainer, ctx = self.trainer, self.ctx
         if update or self.one_process:
@@ -36,10 +31,9 @@ class EagerEngine(StepEngine):
     def update_step(self) -> None:
         """The update part of a micro-step, after its backward: clip, step, schedule, zero."""
         trainer, ctx = self.trainer, self.ctx
-        if self._clip is not None:
-            norm = self._clip()
-            if norm is not None:
-                self.last_grad_norm = norm
+        norm = ctx.clip()
+        if norm is not None:
+            self.last_grad_norm = norm
         trainer.optimizer_step()
         if trainer.scheduler is not None and not ctx.step_was_skipped():
             trainer.scheduler_step()

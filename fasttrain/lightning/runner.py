@@ -152,7 +152,7 @@ class ModuleRunner(FasttrainTrainer):
 
     def calculate_train_batch_loss(self, batch) -> dict:
         output = self.run_step("training_step", *self.step_args("training_step", batch, self.batch_idx))
-        if isinstance(output, torch.Tensor):
+        if type(output) is torch.Tensor or isinstance(output, torch.Tensor):  # the exact type first: cheaper
             loss = output
         elif isinstance(output, dict) and "loss" in output:
             loss = output["loss"]
@@ -166,14 +166,14 @@ class ModuleRunner(FasttrainTrainer):
 
     def backward_step(self, loss):
         lt = self.lt
-        hooks = lt._hooks
         if self.window_start and lt._own_zero_grad:
             # Lightning clears gradients before the first backward of a window
+            hooks = lt._hooks
             optimizer = lt.optimizers[0]
             hooks("on_before_zero_grad", optimizer)
             hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
         if lt._plain_backward_hooks:
-            super().backward_step(loss)
+            FasttrainTrainer.backward_step(self, loss)  # super() without building a super object per step
         else:
             lt.strategy.backward(loss, lt.optimizers[0])
 
@@ -230,7 +230,7 @@ class ModuleRunner(FasttrainTrainer):
 
     def optimizer_zero_grad(self):
         if not self.lt._own_zero_grad:
-            super().optimizer_zero_grad()
+            FasttrainTrainer.optimizer_zero_grad(self)
 
     def calculate_eval_batch_loss(self, batch) -> dict:
         lt = self.lt
