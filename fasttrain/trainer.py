@@ -321,9 +321,13 @@ class Trainer(ForwardBackwardHelper):
             self._accelerator.backward(loss)
 
     def optimizer_step(self):
-        optimizer = prepare.stepping_optimizer(self)
+        # prepare.stepping_optimizer, written out: this hook and the next run every update
+        optimizer = self.optimizer
+        if not self._wrapped_optimizer_needed:
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+        guard = self._nonfinite
         # True without a sync except for nonfinite="skip" with a non-fused optimizer
-        if self._nonfinite.allow_update():
+        if guard.always_allows or guard.allow_update():
             optimizer.step()
         if optimizer is not self.optimizer:
             # torch's LR schedulers were given accelerate's wrapper, whose step is bypassed
@@ -335,7 +339,10 @@ class Trainer(ForwardBackwardHelper):
             self.scheduler.step()
 
     def optimizer_zero_grad(self):
-        prepare.stepping_optimizer(self).zero_grad()
+        optimizer = self.optimizer
+        if not self._wrapped_optimizer_needed:
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+        optimizer.zero_grad()
 
     def train_epoch_end(self):
         pass

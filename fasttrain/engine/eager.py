@@ -31,9 +31,11 @@ class EagerEngine(StepEngine):
     def update_step(self) -> None:
         """The update part of a micro-step, after its backward: clip, step, schedule, zero."""
         trainer, ctx = self.trainer, self.ctx
-        norm = ctx.clip()
-        if norm is not None:
-            self.last_grad_norm = norm
+        clip = ctx.clip
+        if getattr(clip, "active", True):  # an UpdateClip with nothing to do is not called
+            norm = clip()
+            if norm is not None:
+                self.last_grad_norm = norm
         trainer.optimizer_step()
         if trainer.scheduler is not None and not ctx.step_was_skipped():
             trainer.scheduler_step()

@@ -33,7 +33,8 @@ class LossScaling:
         # validation.train_loss's checks (host-only: a clear error before backward), made here
         # for the usual output, a dict with a plain tensor loss; it runs every micro-step
         loss = batch_output.get("loss") if type(batch_output) is dict else None
-        if type(loss) is not torch.Tensor or loss.numel() != 1 or not loss.requires_grad:
+        # ndim, an attribute, spares numel()'s call through torch's argument parser for a scalar
+        if type(loss) is not torch.Tensor or (loss.ndim and loss.numel() != 1) or not loss.requires_grad:
             loss = validation.train_loss(batch_output)  # raises, or accepts a subclass or Mapping
         if self.accumulation_steps == 1 and not self.distributed:
             return loss  # nothing to scale
