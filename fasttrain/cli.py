@@ -23,7 +23,7 @@ _SCHEDULES = {
     ("convnet", "cpu"): (8, 2, 3),
     ("gpt", "cpu"): (100, 10, 3),
     ("hf-gpt2", "cpu"): (100, 10, 3),
-    ("overhead", "cpu"): (2000, 50, 7),
+    ("overhead", "cpu"): (2000, 50, 9),
     ("mlp", "cuda"): (500, 50, 5),
     ("convnet", "cuda"): (100, 20, 5),
     ("gpt", "cuda"): (100, 20, 3),

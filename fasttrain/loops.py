@@ -10,7 +10,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from fasttrain import checkpointing, signals
-from fasttrain.callbacks import StopTrainingError
+from fasttrain.callbacks import CallbackMethodNotImplementedError, StopTrainingError
 from fasttrain.step_metrics import StepMetricsBuffer, add_epoch_loss_to_run_history, flush
 
 
@@ -48,8 +48,14 @@ def train_epoch(trainer, train_dl) -> bool:
             if engine.last_grad_norm is not None:
                 buffer.add_grad_norm(engine.last_grad_norm)
         progress.step_in_epoch = step + 1
-        if step_end:
-            handler.call_train_step_end(step_end, trainer, batch, batch_output, step)
+        if step_end and handler._enabled:
+            # CallbackHandler.call_methods, written out: it runs every micro-step, and forwarding
+            # the arguments through *args/**kwargs there costs as much as a cheap callback
+            for method in step_end:
+                try:
+                    method(trainer, batch=batch, batch_output=batch_output, step=step)
+                except CallbackMethodNotImplementedError:
+                    continue
         if update:
             if progress.num_updates % trainer.log_every_n_steps == 0:
                 flush(trainer, buffer, is_epoch_end=False)

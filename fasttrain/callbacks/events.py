@@ -279,19 +279,6 @@ class CallbackHandler:
         """Call ``event`` on every callback that implements it; others are skipped."""
         self.call_methods(self.handlers(event), *args, **kwargs)
 
-    def call_train_step_end(self, methods: List, trainer, batch, batch_output, step: int):
-        """``call_methods(methods, trainer, batch=batch, batch_output=batch_output, step=step)``
-        for ``on_train_step_end``, whose arguments are passed on once instead of being packed and
-        unpacked again: it runs every micro-step, where that forwarding costs as much as a cheap
-        callback itself."""
-        if not self._enabled:
-            return
-        for method in methods:
-            try:
-                method(trainer, batch=batch, batch_output=batch_output, step=step)
-            except CallbackMethodNotImplementedError:
-                continue
-
     def call_methods(self, methods: List, *args, **kwargs):
         """Call the bound methods returned by :meth:`handlers` (the trainer resolves per-step
         events once per epoch); a callback raising ``CallbackMethodNotImplementedError`` is
