@@ -175,7 +175,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
 
     from fasttrain.bench.hardware import describe_environment, peak_flops
     from fasttrain.bench.peers import resolve_peers
-    from fasttrain.bench.report import existing_reports, format_table, summarize, write_reports
+    from fasttrain.bench.report import existing_reports, format_table, paired_lines, summarize, write_reports
     from fasttrain.bench.runner import run_benchmark
     from fasttrain.bench.workloads import SIZES, default_size, make_workload
 
@@ -244,6 +244,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
     print(f"device: {environment['device_name']} · torch {environment['torch']} · "
           f"{settings['threads']} thread(s)")
     print(format_table(bench, rows))
+    for line in paired_lines(bench):
+        print(line)
     paths = write_reports(bench, out_dir, rows, environment)
     print("wrote " + ", ".join(paths[k] for k in sorted(paths)))
     if "png" not in paths and not _has_matplotlib():

@@ -61,8 +61,6 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
             or (add_dataloader_idx and "/dataloader_idx_" in name)
             or (logger and trainer.logger is None)
             or (dataloader_iter_step and batch_size is None and trainer.training)  # Lightning's error
-            # a step compiled by the user: the result store records the call (ResultStore.log)
-            or torch.compiler.is_compiling()
         ):
             return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
                             sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
@@ -85,12 +83,23 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         connector = trainer._logger_connector
         if connector.should_reset_tensors(fx):
             results.reset(metrics=False, fx=fx)
-        sync_dist = sync_dist and trainer._accelerator_connector.is_distributed
-        # ResultStore.log's eager branch, called directly (not compiling: checked above)
-        results._log(
-            fx, name, value, prog_bar, True if logger is None else logger, resolved[0], resolved[1],
-            reduce_fx, enable_graph, add_dataloader_idx, batch_size, sync_dist,
-            trainer.strategy.reduce if sync_dist else None, sync_dist_group,
+        results.log(
+            fx,
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=True if logger is None else logger,
+            on_step=resolved[0],
+            on_epoch=resolved[1],
+            reduce_fx=reduce_fx,
+            enable_graph=enable_graph,
+            add_dataloader_idx=add_dataloader_idx,
+            batch_size=batch_size,
+            sync_dist=sync_dist and trainer._accelerator_connector.is_distributed,
+            sync_dist_fn=trainer.strategy.reduce,
+            sync_dist_group=sync_dist_group,
+            metric_attribute=metric_attribute,
+            rank_zero_only=rank_zero_only,
         )
         connector._current_fx = fx
 

@@ -223,7 +223,7 @@ def run_fit(lt, runner) -> None:
                 if schedulers:
                     lt._step_schedulers("step", batch_idx, plateau=True)
                 epoch_loop._batches_that_stepped += 1
-            if (max_steps != -1 and lt._global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
+            if (max_steps != -1 and lt.global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
                 break
         iterator = None
         state.epoch_progress.current.processed += 1

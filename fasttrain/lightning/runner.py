@@ -166,9 +166,9 @@ class ModuleRunner(FasttrainTrainer):
 
     def backward_step(self, loss):
         lt = self.lt
+        hooks = lt._hooks
         if self.window_start and lt._own_zero_grad:
             # Lightning clears gradients before the first backward of a window
-            hooks = lt._hooks
             optimizer = lt.optimizers[0]
             hooks("on_before_zero_grad", optimizer)
             hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
