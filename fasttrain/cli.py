@@ -24,10 +24,12 @@ _SCHEDULES = {
     ("convnet", "cpu"): (8, 2, 3),
     ("gpt", "cpu"): (100, 10, 3),
     ("hf-gpt2", "cpu"): (100, 10, 3),
+    ("overhead", "cpu"): (2000, 50, 9),
     ("mlp", "cuda"): (500, 50, 5),
     ("convnet", "cuda"): (100, 20, 5),
     ("gpt", "cuda"): (100, 20, 3),
     ("hf-gpt2", "cuda"): (100, 20, 3),
+    ("overhead", "cuda"): (2000, 50, 7),
 }
 #: GPT-2 124M (either implementation) on CUDA
 _GPT_124M_CUDA = (40, 10, 3)
@@ -186,7 +188,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
 
     from fasttrain.bench.hardware import describe_environment, peak_flops
     from fasttrain.bench.peers import resolve_peers
-    from fasttrain.bench.report import existing_reports, format_table, summarize, write_reports
+    from fasttrain.bench.report import existing_reports, format_table, paired_lines, summarize, write_reports
     from fasttrain.bench.runner import run_benchmark
     from fasttrain.bench.workloads import SIZES, default_size, make_workload
 
@@ -261,6 +263,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, command: s
     print(f"device: {environment['device_name']} · torch {environment['torch']} · "
           f"{settings['threads']} thread(s)")
     print(format_table(bench, rows))
+    for line in paired_lines(bench):
+        print(line)
     paths = write_reports(bench, out_dir, rows, environment)
     print("wrote " + ", ".join(paths[k] for k in sorted(paths)))
     if "png" not in paths and not _has_matplotlib():

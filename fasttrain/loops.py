@@ -10,7 +10,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from fasttrain import checkpointing, signals
-from fasttrain.callbacks import StopTrainingError
+from fasttrain.callbacks import CallbackMethodNotImplementedError, StopTrainingError
 from fasttrain.step_metrics import StepMetricsBuffer, add_epoch_loss_to_run_history, flush
 
 
@@ -34,17 +34,28 @@ def train_epoch(trainer, train_dl) -> bool:
     interrupt = trainer._interrupt
     progress = trainer.progress
     reached_max_steps = False
+    # The per-step work of the loop stays a few attribute reads: on a launch-bound GPU step
+    # (benchmarks/README.md, the overhead workload) every call here is host time per step.
     for step, batch in enumerate(batches, start=first_step):
         progress.step_in_epoch = step
-        handler.call_methods(step_start, trainer)
+        if step_start:  # an event without callbacks costs no call
+            handler.call_methods(step_start, trainer)
         update = (step + 1) % k == 0 or step + 1 == num_batches
         batch_output = engine.train_step(batch, update)
         buffer.add(step, batch_output)
         if update:
             progress.num_updates += 1
-            buffer.add_grad_norm(engine.last_grad_norm)
+            if engine.last_grad_norm is not None:
+                buffer.add_grad_norm(engine.last_grad_norm)
         progress.step_in_epoch = step + 1
-        handler.call_methods(step_end, trainer, batch=batch, batch_output=batch_output, step=step)
+        if step_end and handler._enabled:
+            # CallbackHandler.call_methods, written out: it runs every micro-step, and forwarding
+            # the arguments through *args/**kwargs there costs as much as a cheap callback
+            for method in step_end:
+                try:
+                    method(trainer, batch=batch, batch_output=batch_output, step=step)
+                except CallbackMethodNotImplementedError:
+                    continue
         if update:
             if progress.num_updates % trainer.log_every_n_steps == 0:
                 flush(trainer, buffer, is_epoch_end=False)

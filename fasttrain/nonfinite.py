@@ -105,6 +105,8 @@ class NonFiniteGuard:
             self.allow_update = self._host_check
         else:
             self.allow_update = self._always
+        #: ``allow_update`` is always True: the optimizer-step hook need not call it
+        self.always_allows = self.allow_update is self._always
 
     # ------------------------------------------------------------------ per update
     @staticmethod

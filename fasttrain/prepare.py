@@ -99,7 +99,8 @@ def prepare_run(trainer) -> None:
 
 def stepping_optimizer(trainer):
     """The optimizer whose ``step``/``zero_grad`` the default hooks call: accelerate's wrapper
-    when it does real work, the wrapped optimizer otherwise."""
+    when it does real work, the wrapped optimizer otherwise. (The hooks write this test out
+    themselves: they run every update.)"""
     if trainer._wrapped_optimizer_needed:
         return trainer.optimizer
     return getattr(trainer.optimizer, "optimizer", trainer.optimizer)

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import time
 from typing import List, Optional
 
 import torch
 
 from fasttrain.metrics import FlushedMetrics
-
-
-def _is_finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))
 
 
 class StepMetricsBuffer:
@@ -51,9 +48,11 @@ class StepMetricsBuffer:
                 f"{type(batch_output).__name__}"
                 + (f" with keys {sorted(batch_output)}" if isinstance(batch_output, dict) else "")
             ) from None
-        if not isinstance(loss, torch.Tensor):
+        # the exact type first (isinstance goes through torch.Tensor's metaclass); ndim is an
+        # attribute, cheaper than dim(): this runs every micro-step
+        if type(loss) is not torch.Tensor and not isinstance(loss, torch.Tensor):
             loss = torch.tensor(float(loss))
-        elif loss.dim() != 0:
+        elif loss.ndim:
             loss = loss.detach().mean()
         self._losses.append(loss.detach())
         self._batch_sizes.append(batch_output.get("batch_size", 1))
@@ -85,7 +84,10 @@ class StepMetricsBuffer:
             device_parts.append(torch.stack(self._losses).float())
         if self._grad_norms:
             device_parts.append(torch.stack(self._grad_norms).float())
-        tensor_sizes = [b for b in self._batch_sizes if isinstance(b, torch.Tensor)]
+        # batch sizes are ints but for a hook that returns a tensor: tell the two apart with one
+        # pass over the types, not an isinstance per step
+        int_sizes = set(map(type, self._batch_sizes)) <= {int}
+        tensor_sizes = [] if int_sizes else [b for b in self._batch_sizes if isinstance(b, torch.Tensor)]
         tensor_items = [x for x in self._num_items if isinstance(x, torch.Tensor)]
         if tensor_sizes:
             device_parts.append(torch.stack([b.reshape(()) for b in tensor_sizes]).float())
@@ -95,8 +97,11 @@ class StepMetricsBuffer:
             device_parts.append(pending_skips.reshape(-1)[:1].float())
         host: List[float] = []
         if device_parts:
-            device = device_parts[0].device
-            packed = torch.cat([p.to(device) for p in device_parts])
+            if len(device_parts) == 1:
+                packed = device_parts[0]
+            else:
+                device = device_parts[0].device
+                packed = torch.cat([p.to(device) for p in device_parts])
             # SYNC(flush): the one batched device->host copy of the step metrics, every
             # log_every_n_steps updates and at epoch end.
             host = packed.tolist()
@@ -110,17 +115,22 @@ class StepMetricsBuffer:
         offset += len(tensor_items)
         if pending_skips is not None:
             skipped_updates = skipped_updates + int(host[offset])
-        batch_sizes = [
-            int(next(size_values)) if isinstance(b, torch.Tensor) else int(b) for b in self._batch_sizes
-        ]
+        if int_sizes:
+            batch_sizes = list(self._batch_sizes)
+        else:
+            batch_sizes = [
+                int(next(size_values)) if isinstance(b, torch.Tensor) else int(b) for b in self._batch_sizes
+            ]
         num_items = None
         if self._num_items:
             num_items = int(
                 sum(next(item_values) if isinstance(x, torch.Tensor) else x for x in self._num_items)
             )
-        nonfinite = not all(_is_finite(v) for v in losses)
+        # The host values are float32's (the packed copy is float32), whose sum cannot overflow a
+        # double: the sum is finite exactly when every loss is (inf - inf and nan give nan).
+        nonfinite = not math.isfinite(sum(losses))
         self.nonfinite_seen |= nonfinite
-        self.loss_sum += sum(l * b for l, b in zip(losses, batch_sizes))
+        self.loss_sum += sum(map(operator.mul, losses, batch_sizes))
         self.sample_count += sum(batch_sizes)
         now = time.perf_counter()
         metrics = FlushedMetrics(

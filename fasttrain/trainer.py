@@ -311,7 +311,8 @@ class Trainer(ForwardBackwardHelper):
         xb, yb = batch[0], batch[1]
         model_outputs = self.model(xb)
         loss = self.loss_func(model_outputs, yb)
-        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+        # shape[0], an attribute, rather than size(0), a call through torch's argument parser
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.shape[0]}
 
     def backward_step(self, loss):
         if self._plain_backward:
@@ -321,9 +322,13 @@ class Trainer(ForwardBackwardHelper):
             self._accelerator.backward(loss)
 
     def optimizer_step(self):
-        optimizer = prepare.stepping_optimizer(self)
+        # prepare.stepping_optimizer, written out: this hook and the next run every update
+        optimizer = self.optimizer
+        if not self._wrapped_optimizer_needed:
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+        guard = self._nonfinite
         # True without a sync except for nonfinite="skip" with a non-fused optimizer
-        if self._nonfinite.allow_update():
+        if guard.always_allows or guard.allow_update():
             optimizer.step()
         if optimizer is not self.optimizer:
             # torch's LR schedulers were given accelerate's wrapper, whose step is bypassed
@@ -335,7 +340,10 @@ class Trainer(ForwardBackwardHelper):
             self.scheduler.step()
 
     def optimizer_zero_grad(self):
-        prepare.stepping_optimizer(self).zero_grad()
+        optimizer = self.optimizer
+        if not self._wrapped_optimizer_needed:
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+        optimizer.zero_grad()
 
     def train_epoch_end(self):
         pass

@@ -198,7 +198,10 @@ def train_loss(batch_output):
         loss = batch_output["loss"]
     except KeyError:
         raise _missing_loss(batch_output) from None
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+    # the exact type first: isinstance against torch.Tensor goes through its metaclass, which
+    # costs more than the rest of this check
+    is_tensor = type(loss) is torch.Tensor or isinstance(loss, torch.Tensor)
+    if not is_tensor or loss.numel() != 1 or not loss.requires_grad:
         _bad_loss(loss)
     return loss
 

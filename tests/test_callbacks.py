@@ -322,6 +322,20 @@ def test_callback_method_not_implemented_error_skips_that_callback(event):
     assert "on_stop_training_error" not in recorder.log
 
 
+def test_a_disabled_handler_delivers_no_event_per_step_or_otherwise():
+    # pytorch-accelerated's switch (CallbackHandler._enabled), which the step loop's own
+    # dispatch of on_train_step_end honours as call_methods does
+    recorder = Recorder()
+    trainer = make_trainer([recorder])
+    assert recorder.log == ["on_init_end"]
+    trainer.callback_handler._enabled = False
+    train(trainer, num_epochs=1)
+    assert recorder.log == ["on_init_end"]
+    trainer.callback_handler._enabled = True
+    train(trainer, num_epochs=1)
+    assert recorder.log.count("on_train_step_end") == 7
+
+
 def test_stop_training_error_ends_the_run_cleanly():
     class StopAtStep(TrainerCallback):
         def on_train_step_end(self, trainer, step, **kwargs):

@@ -74,6 +74,34 @@ def _ratio(times: Dict[str, List[float]], medians: Dict[str, float], name: str, 
     return medians[name] / medians[ref], None, None
 
 
+#: pairs of peers compared repeat by repeat below the table, beside the columns' ``x bare`` and
+#: ``x pt-acc``: fasttrain.lightning against Lightning itself (the same LightningModule) and
+#: against fasttrain's own Trainer on the same engine
+PAIRS = (("fasttrain-lightning", "lightning"), ("fasttrain-lightning", "fasttrain-eager"))
+
+
+def paired_lines(bench: BenchResult, markdown: bool = False) -> List[str]:
+    """``peer / reference: median [min-max]`` of the per-repeat throughput ratios of each of
+    :data:`PAIRS` whose two peers both ran (the ratio of medians when their repeats do not pair),
+    after a heading line; nothing when no pair ran. ``markdown``: as a list, after a blank line."""
+    times = {p.name: p.step_times for p in bench.peers if p.status == "ok" and p.step_times}
+    lines = []
+    for name, ref in PAIRS:
+        if name not in times or ref not in times:
+            continue
+        ratios = paired_ratios(times[name], times[ref])
+        if ratios:
+            text = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+        else:
+            medians = {n: statistics.median(1.0 / t for t in times[n]) for n in (name, ref)}
+            text = f"{medians[name] / medians[ref]:.2f} (ratio of medians)"
+        lines.append(f"- {name} / {ref}: {text}" if markdown else f"{name} / {ref}: {text}")
+    if not lines:
+        return []
+    heading = "paired per repeat, steps/s of one peer over another, median [min-max]:"
+    return ["", heading, *lines] if markdown else [heading, *lines]
+
+
 def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Dict[str, object]]:
     """One row per peer, with the keys of :data:`CSV_FIELDS`."""
     wl = bench.workload
@@ -309,6 +337,7 @@ def write_reports(
         writer.writerows(rows)
     with open(paths["md"], "w") as f:
         f.write(format_markdown(bench, rows))
+        f.writelines(line + "\n" for line in paired_lines(bench, markdown=True))
     if _write_png(bench, rows, stem + ".png"):
         paths["png"] = stem + ".png"
     return paths

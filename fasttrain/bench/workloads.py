@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-WORKLOADS = ("mlp", "convnet", "gpt", "hf-gpt2")
+WORKLOADS = ("mlp", "convnet", "gpt", "hf-gpt2", "overhead")
 
 #: batches held in memory per dataset; a dataset of any length cycles through them.
 _POOL_BATCHES = 4
@@ -294,6 +294,11 @@ SIZES: Dict[str, Dict[str, Dict[str, object]]] = {
         "tiny": {"in_features": 32, "width": 64, "num_classes": 10},
         "small": {"in_features": 256, "width": 256, "num_classes": 10},
     },
+    # Linear 16-32-4: a step whose arithmetic takes a few microseconds, so what a peer's step
+    # costs is its own Python, as a GPU step looks to the host that launches it
+    "overhead": {
+        "tiny": {"in_features": 16, "width": 32, "num_classes": 4, "depth": 2},
+    },
     "convnet": {
         "tiny": {"widths": (8, 16, 32)},
         "small": {"widths": (32, 64, 128)},
@@ -309,13 +314,13 @@ SIZES["hf-gpt2"] = dict(SIZES["gpt"])
 
 # the default MLP is the overhead-bound one: its step is small enough that per-step framework
 # work shows in the ratios
-DEFAULT_SIZE = {"mlp": "tiny", "convnet": "small", "gpt": "tiny", "hf-gpt2": "tiny"}
+DEFAULT_SIZE = {"mlp": "tiny", "convnet": "small", "gpt": "tiny", "hf-gpt2": "tiny", "overhead": "tiny"}
 #: sizes that differ on CUDA: the transformers GPT-2 is measured at GPT-2's own 124M config
 DEFAULT_SIZE_CUDA = dict(DEFAULT_SIZE, **{"hf-gpt2": "124m"})
-DEFAULT_BATCH = {"mlp": 64, "convnet": 512, "gpt": 8, "hf-gpt2": 8}
+DEFAULT_BATCH = {"mlp": 64, "convnet": 512, "gpt": 8, "hf-gpt2": 8, "overhead": 16}
 #: on a CPU the convnet at batch 512 spends minutes per peer; 32 keeps a peer well under a minute
 #: on two cores while still timing real convolution work
-DEFAULT_BATCH_CPU = {"mlp": 64, "convnet": 32, "gpt": 8, "hf-gpt2": 8}
+DEFAULT_BATCH_CPU = {"mlp": 64, "convnet": 32, "gpt": 8, "hf-gpt2": 8, "overhead": 16}
 
 
 def default_size(name: str, device: str | torch.device) -> str:
@@ -390,8 +395,8 @@ def make_workload(
     gen = torch.Generator().manual_seed(seed + 1)
     pool = _POOL_BATCHES * batch_size
 
-    if name == "mlp":
-        factory = lambda: MLP(cfg["in_features"], cfg["width"], cfg["num_classes"])  # noqa: E731
+    if name in ("mlp", "overhead"):
+        factory = lambda: MLP(cfg["in_features"], cfg["width"], cfg["num_classes"], cfg.get("depth", 3))  # noqa: E731
         inputs = torch.randn(pool, cfg["in_features"], generator=gen)
         targets = torch.randint(0, cfg["num_classes"], (pool,), generator=gen)
         loss_func, lr = nn.CrossEntropyLoss(), 1e-3

@@ -128,21 +128,22 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_train_step_end(self, trainer, *, step=None, **kwargs):
         bar = self.pbar
+        n = bar.n
         # The step index, not a count of calls: a run resumed mid-epoch starts past 0. The
         # trainer always passes it; a call without it advances the bar by one.
         if step is None:
-            step = bar.n
-        if step >= bar.n:
+            step = n
+        if step >= n:
             if step >= bar.total:  # resumed mid-epoch: the steps before count too
                 bar.total = min(step + 1 + bar.total, len(trainer._train_dataloader))
-            bar.update(step + 1 - bar.n)
+            bar.update(step + 1 - n)
 
     def on_metrics_flush(self, trainer, metrics, **kwargs):
         train = metrics.phase == "train"
         bar = self.pbar if train else self.eval_pbar
         if bar is None or bar.disable:
             return
-        postfix = {"loss": f"{metrics.global_epoch_mean_loss:.4g}"}
+        postfix = f"loss={metrics.global_epoch_mean_loss:.4g}"
         if metrics.is_epoch_end:
             # the whole epoch's rate: the last flush may hold few steps, or none at all
             elapsed = time.perf_counter() - self._started["train" if train else "eval"]
@@ -150,8 +151,10 @@ class ProgressBarCallback(TrainerCallback):
         else:
             elapsed, samples = metrics.elapsed_s, metrics.num_samples
         if elapsed > 0 and samples > 0:
-            postfix["samples/s"] = f"{samples / elapsed:.4g}"
-        bar.set_postfix(postfix, refresh=False)
+            postfix += f", samples/s={samples / elapsed:.4g}"
+        # the text set_postfix({"loss": ..., "samples/s": ...}) makes, without its per-value
+        # type checks and conversions: the values are formatted strings already
+        bar.set_postfix_str(postfix, refresh=False)
         if metrics.is_epoch_end:
             bar.refresh()
 

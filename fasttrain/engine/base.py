@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from fasttrain.engine.context import StepContext
+from fasttrain.engine.context import StepContext, in_one_process
 
 
 class StepEngine:
@@ -36,6 +36,8 @@ class StepEngine:
         self.trainer = ctx.trainer
         #: global gradient norm of the last update (device tensor), when clipping by norm
         self.last_grad_norm: Optional[torch.Tensor] = None
+        #: no micro-step has an all-reduce to suppress (one process): ``no_sync`` is a null context
+        self.one_process = ctx.no_sync is in_one_process
 
     # called once per train()/evaluate(), after accelerate has prepared model and optimizer
     def setup(self) -> None:

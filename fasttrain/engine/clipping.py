@@ -297,13 +297,34 @@ class UpdateClip:
     """
 
     def __init__(self, guard, clipper: Optional[GradientClipper], accelerator=None):
-        self.guard = guard
-        self.clipper = clipper
+        self._guard = guard
+        self._clipper = clipper
         self.accelerator = accelerator
+        self._decide()
 
     @property
-    def active(self) -> bool:
-        return self.guard.checks_gradients or (self.clipper is not None and self.clipper.enabled)
+    def guard(self):
+        return self._guard
+
+    @guard.setter
+    def guard(self, guard) -> None:
+        # train() replaces the guard once the engine is set up (prepare.set_up_training)
+        self._guard = guard
+        self._decide()
+
+    @property
+    def clipper(self) -> Optional[GradientClipper]:
+        return self._clipper
+
+    @clipper.setter
+    def clipper(self, clipper: Optional[GradientClipper]) -> None:
+        self._clipper = clipper
+        self._decide()
+
+    def _decide(self) -> None:
+        #: whether an update has anything to clip or check: an attribute, kept up to date with
+        #: the guard and the clipper, which an engine reads every update instead of calling this
+        self.active = self._guard.checks_gradients or (self._clipper is not None and self._clipper.enabled)
 
     def __call__(self) -> Optional[torch.Tensor]:
         if not self.active:

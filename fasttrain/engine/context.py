@@ -130,7 +130,7 @@ def no_sync_for(accelerator, model_of: Callable[[], torch.nn.Module], distribute
     update, so that gradients are all-reduced once per optimizer update; nothing when training
     runs in one process."""
     if not distributed:
-        return _no_context
+        return in_one_process
 
     def no_sync(update: bool):
         if update:
@@ -140,5 +140,7 @@ def no_sync_for(accelerator, model_of: Callable[[], torch.nn.Module], distribute
     return no_sync
 
 
-def _no_context(update: bool):
+def in_one_process(update: bool):
+    """The ``no_sync`` field of a run in one process: there is no all-reduce to suppress. An
+    engine that sees it may run its micro-steps without entering a context at all."""
     return contextlib.nullcontext()

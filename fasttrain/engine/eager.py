@@ -15,9 +15,15 @@ class EagerEngine(StepEngine):
 
     def train_step(self, batch, update: bool) -> dict:
         trainer, ctx = self.trainer, self.ctx
-        with self.no_sync_context(update):
+        if update or self.one_process:
+            # nothing to suppress (an updating micro-step all-reduces, one process never does):
+            # no context to enter, which is a measurable share of a launch-bound step
             batch_output = trainer.calculate_train_batch_loss(batch)
             trainer.backward_step(ctx.loss_for_backward(batch_output))
+        else:
+            with ctx.no_sync(update):
+                batch_output = trainer.calculate_train_batch_loss(batch)
+                trainer.backward_step(ctx.loss_for_backward(batch_output))
         if update:
             self.update_step()
         return batch_output
@@ -25,9 +31,11 @@ class EagerEngine(StepEngine):
     def update_step(self) -> None:
         """The update part of a micro-step, after its backward: clip, step, schedule, zero."""
         trainer, ctx = self.trainer, self.ctx
-        norm = ctx.clip()
-        if norm is not None:
-            self.last_grad_norm = norm
+        clip = ctx.clip
+        if getattr(clip, "active", True):  # an UpdateClip with nothing to do is not called
+            norm = clip()
+            if norm is not None:
+                self.last_grad_norm = norm
         trainer.optimizer_step()
         if trainer.scheduler is not None and not ctx.step_was_skipped():
             trainer.scheduler_step()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fasttrain import validation
 
 
@@ -28,7 +30,14 @@ class LossScaling:
         return cls(config.gradient_accumulation_steps, config.num_processes, bool(config.is_distributed))
 
     def __call__(self, batch_output: dict):
-        loss = validation.train_loss(batch_output)  # host-only checks: a clear error before backward
+        # validation.train_loss's checks (host-only: a clear error before backward), made here
+        # for the usual output, a dict with a plain tensor loss; it runs every micro-step
+        loss = batch_output.get("loss") if type(batch_output) is dict else None
+        # ndim, an attribute, spares numel()'s call through torch's argument parser for a scalar
+        if type(loss) is not torch.Tensor or (loss.ndim and loss.numel() != 1) or not loss.requires_grad:
+            loss = validation.train_loss(batch_output)  # raises, or accepts a subclass or Mapping
+        if self.accumulation_steps == 1 and not self.distributed:
+            return loss  # nothing to scale
         return self.scale(loss, batch_output)
 
     def scale(self, loss, batch_output: dict):

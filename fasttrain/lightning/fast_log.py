@@ -31,11 +31,6 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 _Tensor = torch.Tensor
 
 
-def _plain_level(value) -> bool:
-    # an explicit bool or None (a default): other values (1, a numpy bool) take Lightning's path
-    return value is None or value is True or value is False
-
-
 def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
     """A ``log`` for ``module``'s steps under ``trainer``, or ``None`` when the module's class
     defines its own ``log`` (which then runs as written)."""
@@ -44,7 +39,9 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
     original = LightningModule.log
     state = module.__dict__
     levels: dict = {}  # (hook, on_step, on_epoch) -> Lightning's validated (on_step, on_epoch)
-    dataloader_iter_step: list = []  # training_step takes ``dataloader_iter`` (decided once)
+    # a training_step that takes ``dataloader_iter`` must log with a batch_size: Lightning's
+    # error, which its own log raises (decided once: the signature does not change in a fit)
+    dataloader_iter_step = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
 
     def log(name, value, prog_bar=False, logger=None, on_step=None, on_epoch=None, reduce_fx="mean",
             enable_graph=False, sync_dist=False, sync_dist_group=None, add_dataloader_idx=True, batch_size=None,
@@ -58,9 +55,12 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
             or state.get("_trainer") is not trainer
             or state.get("_fabric") is not None
             or trainer.barebones
-            or not (_plain_level(on_step) and _plain_level(on_epoch))
+            # an explicit bool or None (a default): other values (1, a numpy bool) take Lightning's path
+            or not (on_step is None or on_step is True or on_step is False)
+            or not (on_epoch is None or on_epoch is True or on_epoch is False)
             or (add_dataloader_idx and "/dataloader_idx_" in name)
             or (logger and trainer.logger is None)
+            or (dataloader_iter_step and batch_size is None and trainer.training)  # Lightning's error
         ):
             return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
                             sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
@@ -74,7 +74,7 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         # Lightning's clone().detach().squeeze(): the same fresh, detached one-element tensor;
         # detaching first records no clone in the autograd graph, and a 0-dim value is final
         value = value.detach().clone()
-        if value.dim():
+        if value.ndim:
             if value.numel() != 1:
                 return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
                                 sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
@@ -83,15 +83,6 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         connector = trainer._logger_connector
         if connector.should_reset_tensors(fx):
             results.reset(metrics=False, fx=fx)
-        if trainer.training and batch_size is None:
-            if not dataloader_iter_step:
-                dataloader_iter_step.append(
-                    is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
-                )
-            if dataloader_iter_step[0]:
-                return original(module, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
-                                sync_dist, sync_dist_group, add_dataloader_idx, batch_size, metric_attribute,
-                                rank_zero_only)  # Lightning's error
         results.log(
             fx,
             name,

@@ -219,7 +219,8 @@ class ResultStore:
         if add_dataloader_idx and self.dataloader_idx is not None:
             suffix = f"/dataloader_idx_{self.dataloader_idx}"
         key = f"{fx}.{name}{suffix}"
-        is_metric = not isinstance(value, torch.Tensor)
+        # the exact type first: isinstance goes through torch.Tensor's metaclass (every self.log)
+        is_metric = type(value) is not torch.Tensor and not isinstance(value, torch.Tensor)
         sync = None
         if sync_dist and sync_dist_fn is not None and not is_metric:
             sync = _Sync(sync_dist_fn, sync_dist_group)

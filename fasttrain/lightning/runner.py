@@ -181,7 +181,7 @@ class ModuleRunner(FasttrainTrainer):
 
     def calculate_train_batch_loss(self, batch) -> dict:
         output = self.run_step("training_step", *self.step_args("training_step", batch, self.batch_idx))
-        if isinstance(output, torch.Tensor):
+        if type(output) is torch.Tensor or isinstance(output, torch.Tensor):  # the exact type first: cheaper
             loss = output
         elif isinstance(output, dict) and "loss" in output:
             loss = output["loss"]
@@ -200,7 +200,7 @@ class ModuleRunner(FasttrainTrainer):
         if self.window_start and lt._own_zero_grad:
             self.zero_grad_at_window_start()
         if lt._plain_backward_hooks:
-            super().backward_step(loss)
+            FasttrainTrainer.backward_step(self, loss)  # super() without building a super object per step
         else:
             self._strategy_backward(loss, lt.optimizers[0])
 
@@ -301,7 +301,7 @@ class ModuleRunner(FasttrainTrainer):
 
     def optimizer_zero_grad(self):
         if not self.lt._own_zero_grad:
-            super().optimizer_zero_grad()
+            FasttrainTrainer.optimizer_zero_grad(self)
 
     def calculate_eval_batch_loss(self, batch) -> dict:
         lt = self.lt

@@ -1,0 +1,121 @@
+"""`fasttrain bench --workload overhead`: the host-overhead workload, how every peer is fed, and a
+short run of it on the CPU clock (benchmarks/README.md, "The overhead workload")."""
+
+import json
+
+import pytest
+import torch
+
+from fasttrain.bench.peers import make_peer
+from fasttrain.bench.runner import quiet
+from fasttrain.bench.workloads import (
+    MLP,
+    SyntheticBatches,
+    default_batch_size,
+    make_workload,
+    passthrough_collate,
+)
+from fasttrain.cli import _SCHEDULES, main
+
+# every peer that runs on a CPU without compiling (the compiled ones are fed by the same loaders)
+CPU_PEERS = ["bare", "pytorch-accelerated", "fasttrain-eager", "lightning", "fasttrain-lightning"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_accelerate_state():
+    """The trainers initialise accelerate's process-wide state; clear it for later tests."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
+
+def test_the_model_is_linear_16_32_4_at_batch_16_on_either_device():
+    for device in ("cpu", "cuda"):
+        assert default_batch_size("overhead", device) == 16
+    assert ("overhead", "cpu") in _SCHEDULES and ("overhead", "cuda") in _SCHEDULES
+    wl = make_workload("overhead", device="cpu")
+    model = wl.make_model()
+    assert isinstance(model, MLP)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert [(m.in_features, m.out_features) for m in linears] == [(16, 32), (32, 4)]
+    assert wl.describe()["params"] == 16 * 32 + 32 + 32 * 4 + 4
+    assert wl.batch_size == 16 and wl.collate_fn is passthrough_collate
+    # a whole batch is one slice of the pool: a view, not a gather
+    x, y = wl.dataset.__getitems__(list(range(16)))
+    assert x.shape == (16, 16) and y.shape == (16,) and x._base is wl.dataset.inputs
+    assert int(y.max()) < 4
+
+
+def test_every_peer_fetches_a_batch_with_one_getitems_call(monkeypatch):
+    calls = {"batches": 0, "samples": 0}
+    items, item = SyntheticBatches.__getitems__, SyntheticBatches.__getitem__
+
+    def batches(self, indices):
+        calls["batches"] += 1
+        return items(self, indices)
+
+    def sample(self, index):
+        calls["samples"] += 1
+        return item(self, index)
+
+    monkeypatch.setattr(SyntheticBatches, "__getitems__", batches)
+    monkeypatch.setattr(SyntheticBatches, "__getitem__", sample)
+    wl = make_workload("overhead", device="cpu")
+    wl.resize(8)
+    for name in CPU_PEERS:
+        peer = make_peer(name, wl)
+        with quiet():
+            peer.setup()
+            calls.update(batches=0, samples=0)
+            peer.run(5)
+        peer.close()
+        # accelerate's loader (pytorch-accelerated) looks one batch ahead to find the last one
+        assert calls["samples"] == 0, name
+        assert calls["batches"] in (5, 6), (name, calls)
+
+
+@pytest.fixture(scope="module")
+def overhead_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("overhead")
+    threads = torch.get_num_threads()
+    try:
+        rc = main([
+            "bench", "--workload", "overhead", "--device", "cpu", "--steps", "8", "--warmup", "2",
+            "--repeats", "2", "--peers", ",".join(CPU_PEERS), "--out", str(out), "--no-progress",
+        ])
+    finally:
+        torch.set_num_threads(threads)
+    return rc, out
+
+
+def test_a_short_run_times_every_peer_on_the_process_cpu_clock(overhead_run):
+    rc, out = overhead_run
+    assert rc == 0
+    data = json.loads((out / "overhead-tiny.json").read_text())
+    assert data["workload"]["workload"] == "overhead" and data["workload"]["batch_size"] == 16
+    assert data["settings"]["clock"] == "cpu" and data["settings"]["threads"] == 1
+    peers = {p["name"]: p for p in data["peers"]}
+    assert list(peers) == CPU_PEERS
+    for name in CPU_PEERS:
+        assert peers[name]["status"] == "ok", (name, peers[name]["reason"])
+        assert len(peers[name]["step_times"]) + peers[name]["invalid_repeats"] == 2
+    # no host read inside a step: 8 steps hold no flush (every 50 updates), the epoch-end one
+    # cancels in the difference of the two runs
+    for name in ("bare", "fasttrain-eager", "fasttrain-lightning"):
+        assert peers[name]["host_syncs_per_step"] == 0, (name, peers[name]["sync_sites"])
+    assert peers["fasttrain-eager"]["engine"] == "eager"
+    # pytorch-accelerated reads its loss with .item() every step
+    assert peers["pytorch-accelerated"]["sync_methods"]["item"] == 1
+
+
+def test_the_table_pairs_fasttrain_lightning_with_lightning_and_fasttrain_eager(overhead_run):
+    _, out = overhead_run
+    text = (out / "overhead-tiny.md").read_text()
+    data = json.loads((out / "overhead-tiny.json").read_text())
+    times = {p["name"]: p["step_times"] for p in data["peers"]}
+    for ref in ("lightning", "fasttrain-eager"):
+        line = next(line for line in text.splitlines() if line.startswith(f"- fasttrain-lightning / {ref}: "))
+        ratios = sorted(b / p for p, b in zip(times["fasttrain-lightning"], times[ref]))
+        if len(ratios) == 2:  # both repeats valid: the median of two is their mean
+            assert line.endswith(f"{sum(ratios) / 2:.2f} [{ratios[0]:.2f}-{ratios[1]:.2f}]"), line
