@@ -67,18 +67,20 @@ PARTS=(tests check check-gpt bench bench-gpt)
 # that run side by side (the correctness checks: measured alone on an H200 with 16 cores,
 # `pytest -m gpu` took 148 s and the checks of mlp and hf-gpt2 about 170 s, side by side), the
 # steps of a lane run one after another, and every step carries its limit on CUDA in seconds.
-# The benches run alone, since they time the device. The commented line is the room kept for one
-# more bench step (`fasttrain bench --workload overhead`): take it by removing its "#" (its size
-# and peers default to the bench's own; BENCH and BENCH_PEERS below may name them). The worst case,
-# every step running out of time and killed after its grace, must stay within ALL_BUDGET_S, the
-# reserved line included (tests/test_run_gpu_script.py reads it from --dry-run).
+# The benches run alone, since they time the device; bench-overhead is the host-overhead workload
+# (`fasttrain bench --workload overhead`: every engine against the bare loop on a step whose
+# arithmetic is a few microseconds). A line commented out with "#" keeps room for a step without
+# running it (shown as "reserved:"; its size and peers default to the bench's own, BENCH and
+# BENCH_PEERS below may name them). The worst case, every step running out of time and killed
+# after its grace, must stay within ALL_BUDGET_S, reserved lines included
+# (tests/test_run_gpu_script.py reads it from --dry-run).
 ALL_SCHEDULE='
 pytest-gpu=200 | check-mlp=45 check-hf-gpt2=150
 bench-mlp=60
 bench-clip=25
 bench-loss-accum=12
 bench-hf-gpt2=78
-#bench-overhead=60
+bench-overhead=60
 '
 ALL_BUDGET_S=540
 # seconds allowed for rewriting OUT's files after a step, and after set-up (that first one also
