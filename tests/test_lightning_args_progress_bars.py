@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar  # noqa: E4
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
+from fasttrain.lightning.progress_bars import EpochProgressBar  # noqa: E402
 from lightning_modules import QUIET, Classifier, train_loader, val_loader  # noqa: E402
 
 
@@ -149,14 +150,41 @@ def test_a_progress_bar_of_ones_own_gets_lightnings_hooks_and_counters():
     assert ("sanity", []) in seen[1] and ("val", True, 2) in seen[1] and ("test", 1, 4) in seen[1]
 
 
-def test_enable_progress_bar_gives_lightnings_default_bar():
-    kinds = []
+def test_enable_progress_bar_gives_a_progress_bar_callback():
+    # Lightning's default redraws after every batch; fasttrain's is a ProgressBar too, drawn at
+    # tqdm's pace (progress_bars.py says why): the contract is the class and its counters
     for trainer_cls in BOTH:
-        trainer = trainer_cls(**WITH_BAR)
-        kinds.append(type(trainer.progress_bar_callback))
+        assert isinstance(trainer_cls(**WITH_BAR).progress_bar_callback, ProgressBar)
         assert trainer_cls(**QUIET).progress_bar_callback is None
-    assert kinds[0] is kinds[1]
-    assert issubclass(kinds[1], ProgressBar)
+    assert type(Trainer(**WITH_BAR).progress_bar_callback) is EpochProgressBar
+
+
+class SeesTheBar(L.Callback):
+    """After each training batch: the default bar's position, its postfix and the counters."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        bar = trainer.progress_bar_callback
+        self.seen.append((bar.train_progress_bar.n, bar.train_progress_bar.postfix, bar.total_train_batches,
+                          trainer.fit_loop.epoch_loop.batch_progress.current.completed))
+
+
+def test_the_default_bar_counts_every_batch_and_shows_the_flushed_values():
+    seen = SeesTheBar()
+    trainer = Trainer(**{**WITH_BAR, "max_epochs": 1, "log_every_n_steps": 2, "callbacks": [seen]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(SGDClassifier(), train_loader())
+    # the bar callback runs after this one (callbacks first, the default bar appended last)
+    assert [n for n, _, _, _ in seen.seen] == [0, 1, 2, 3, 4, 5]
+    assert [total for _, _, total, _ in seen.seen] == [6] * 6
+    assert [done for _, _, _, done in seen.seen] == [0, 1, 2, 3, 4, 5]
+    postfixes = [postfix for _, postfix, _, _ in seen.seen]
+    # the logged prog_bar value appears once the first flush (the second stepping batch) ran
+    assert not any(postfixes[:2]) and all("train_loss_step=" in p for p in postfixes[2:])
+    assert postfixes[2] == postfixes[3] and postfixes[3] != postfixes[4]  # new values at flushes only
 
 
 @pytest.mark.parametrize(

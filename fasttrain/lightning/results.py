@@ -79,6 +79,7 @@ class LoggedValue:
     __slots__ = (
         "fx", "name", "on_step", "on_epoch", "reduce", "prog_bar", "logger", "enable_graph",
         "sync", "metric", "step_value", "total", "count", "has_value", "_computed", "given_options", "suffix",
+        "given_arguments",
         "dataloader_idx",
     )
 
@@ -100,6 +101,8 @@ class LoggedValue:
         self.has_value = False
         self._computed: Optional[torch.Tensor] = None
         self.given_options: tuple = ()
+        #: the arguments of the last call that passed the checks (results.py: ResultStore._log)
+        self.given_arguments: Optional[tuple] = None
 
     def update(self, value, batch_size: int) -> None:
         self.has_value = True
@@ -221,10 +224,19 @@ class ResultStore:
         key = f"{fx}.{name}{suffix}"
         # the exact type first: isinstance goes through torch.Tensor's metaclass (every self.log)
         is_metric = type(value) is not torch.Tensor and not isinstance(value, torch.Tensor)
+        entry = self.entries.get(key)
+        # the arguments as given: a key logged again with the same ones (every step) needs none of
+        # the checks below, which its first call made
+        given = (on_step, on_epoch, reduce_fx, prog_bar, logger, enable_graph, add_dataloader_idx, metric_attribute,
+                 sync_dist, sync_dist_group, rank_zero_only, is_metric)
+        if entry is not None and entry.given_arguments == given:
+            if batch_size is None:
+                batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
+            entry.update(value, batch_size)
+            return
         sync = None
         if sync_dist and sync_dist_fn is not None and not is_metric:
             sync = _Sync(sync_dist_fn, sync_dist_group)
-        entry = self.entries.get(key)
         reduce, reduce_key = parse_reduce_fx(reduce_fx)
         # what Lightning compares between two calls logging one key (its metadata)
         options = (on_step, on_epoch, reduce_key, prog_bar, logger, enable_graph, add_dataloader_idx,
@@ -244,6 +256,7 @@ class ResultStore:
             raise LightningConfigError(
                 f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
+        entry.given_arguments = given
         if batch_size is None:
             batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
         entry.update(value, batch_size)
