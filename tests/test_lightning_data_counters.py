@@ -25,7 +25,7 @@ from side_by_side import run_both  # noqa: E402
 from test_engine_graph_logic import HostGraphEngine, host_graphs  # noqa: E402,F401
 from test_lightning_args_profiler import Recording  # noqa: E402
 from test_lightning_args_progress_bars import RecordingTQDM  # noqa: E402
-from test_lightning_loop_objects import OUTER_HOOKS, STEP_HOOKS, _assert_same_records, _counters  # noqa: E402
+from test_lightning_loop_objects import OUTER_HOOKS, STEP_HOOKS, _Recorder, _assert_same_records, _counters  # noqa: E402
 
 
 def _data_counters(trainer) -> dict:
@@ -38,24 +38,11 @@ def _data_counters(trainer) -> dict:
     }
 
 
-class _Recorder(L.Callback):
-    def __init__(self, hooks):
-        self.seen = []
-        for name in hooks:
-            setattr(self, name, self._make(name))
-
-    def _make(self, name):
-        def hook(trainer, *args, **kwargs):
-            self.seen.append((name, _data_counters(trainer)))
-
-        return hook
-
-
 def _record(module_factory, make_train, make_val=None, hooks=OUTER_HOOKS, **trainer_kwargs):
     modules = {}
 
     def action(trainer):
-        recorder = _Recorder(hooks)
+        recorder = _Recorder(hooks, read=_data_counters)
         trainer.callbacks.insert(0, recorder)
         module = modules[type(trainer).__module__.split(".")[0]] = module_factory()
         trainer.fit(module, make_train(), make_val() if make_val else None)

@@ -70,16 +70,17 @@ def _counters(trainer) -> dict:
 
 
 class _Recorder(L.Callback):
-    """Records :func:`_counters` at each hook it is built with."""
+    """Records ``read(trainer)`` (:func:`_counters` by default) at each hook it is built with."""
 
-    def __init__(self, hooks):
+    def __init__(self, hooks, read=None):
         self.seen = []
+        self._read = read or _counters
         for name in hooks:
             setattr(self, name, self._make(name))
 
     def _make(self, name):
         def hook(trainer, *args, **kwargs):
-            self.seen.append((name, _counters(trainer)))
+            self.seen.append((name, self._read(trainer)))
 
         return hook
 
