@@ -16,7 +16,7 @@ from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 
 from engine_cases import assert_runs_match, fasttrain_warnings, mlp_case, one_cycle, run
-from test_engine_graph_logic import AOT, HostGraphEngine, host_graphs  # noqa: F401
+from test_engine_graph_logic import AOT, HostGraphEngine, eager_and_graphed, host_graphs  # noqa: F401
 
 
 class ClearsGradientsMidWindow(TrainerCallback):
@@ -108,13 +108,8 @@ def test_fused_adamw_is_captured_and_steps_as_eagers_fused_step():
     schedule = functools.partial(one_cycle(), cycle_momentum=False)
     case = mlp_case(epochs=2, create_scheduler_fn=schedule)
     case.optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager", eval_dataset=None)
-        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
-    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    eager, graphed = eager_and_graphed(case)
     engine = graphed.trainer._engine
-    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
     group = graphed.trainer.optimizer.param_groups[0]
     assert group["fused"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]
     assert sum(step.graph.replays for step in engine._train_graphs.values()) > 0

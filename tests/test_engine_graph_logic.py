@@ -118,6 +118,19 @@ def host_graphs(monkeypatch):
     torch._dynamo.reset()
 
 
+def eager_and_graphed(case, **overrides):
+    """``case`` run eagerly and on the graphed engine (without evaluation), with no fasttrain
+    warning; the graphed run kept both training graphs."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", eval_dataset=None, **overrides)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None, **overrides)
+    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    return eager, graphed
+
+
 def test_graphed_steps_match_eager_and_replay_from_the_ring():
     case = mlp_case()
     with warnings.catch_warnings(record=True) as caught:

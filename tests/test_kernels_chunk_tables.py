@@ -102,14 +102,12 @@ def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(mo
     epoch; meanwhile other tables evicted the gradients' one. A capture cannot copy a table to the
     device, so the engine builds the tables before capturing an update (as on a GPU, where the
     kernels look the table up inside the capture and a miss raised)."""
-    import warnings
-
     from fasttrain import Trainer
     from fasttrain.callbacks import TrainerCallback
     from fasttrain.engine import ENGINES
     from fasttrain.engine.clipping import gradients_of
-    from test_engine_graph_logic import AOT, HostGraphEngine, mlp_case
-    from engine_cases import assert_runs_match, fasttrain_warnings, run
+    from test_engine_graph_logic import HostGraphEngine, eager_and_graphed, mlp_case
+    from engine_cases import assert_runs_match
 
     class KernelTablesInCapture(HostGraphEngine):
         """Looks the table up inside each update capture, with table builds refused there, as the
@@ -151,12 +149,5 @@ def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(mo
 
     monkeypatch.setattr(multi_tensor, "triton_can_clip", lambda grads: bool(grads))  # as on a GPU
     monkeypatch.setitem(ENGINES, "cudagraph", KernelTablesInCapture)
-    case = mlp_case(trainer_cls=FloodingTrainer, epochs=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager", eval_dataset=None)
-        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
-    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
-    engine = graphed.trainer._engine
-    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    eager, graphed = eager_and_graphed(mlp_case(trainer_cls=FloodingTrainer, epochs=2))
     assert_runs_match(eager, graphed)

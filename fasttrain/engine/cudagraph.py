@@ -388,7 +388,8 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             hparams.sync()
         captured.static.load(batch)
         batch_output, norm = captured.replay()
-        self.ctx.host_effects.redo(captured.effects)
+        if captured.effects is not None:
+            self.ctx.host_effects.redo(captured.effects)
         if update:
             self.last_grad_norm = norm
             if self._grads.cleared and not self._own_zero_grad:
@@ -530,7 +531,8 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
     def _replay_eval(self, captured: CapturedStep, batch) -> dict:
         captured.static.load(batch)
         batch_output = captured.replay()[0]
-        self.ctx.host_effects.redo(captured.effects)
+        if captured.effects is not None:
+            self.ctx.host_effects.redo(captured.effects)
         return batch_output
 
     def _capture_eval(self, batch, signature, last: bool = False) -> dict:
