@@ -343,7 +343,10 @@ class Trainer(ForwardBackwardHelper):
         optimizer = self.optimizer
         if not self._wrapped_optimizer_needed:
             optimizer = getattr(optimizer, "optimizer", optimizer)
-        optimizer.zero_grad()
+        if prepare.clears_like_torch(optimizer):
+            prepare.clear_gradients(optimizer)  # zero_grad() without its per-call wrappers
+        else:
+            optimizer.zero_grad()
 
     def train_epoch_end(self):
         pass
