@@ -327,7 +327,7 @@ def _peak_bytes(engine, steps=24, epochs=1, partial=0):
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     assert trainer.active_engine == engine
     torch.cuda.synchronize()
-    _MEMORY_NOTES[engine] = _memory_note()
+    _MEMORY_NOTES[engine] = _memory_note(trainer)
     return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() - base_reserved
 
 
@@ -335,21 +335,58 @@ def _peak_bytes(engine, steps=24, epochs=1, partial=0):
 _MEMORY_NOTES = {}
 
 
-def _memory_note() -> str:
+def _memory_note(trainer) -> str:
     """Where the memory sits when a run ends: peaks of the allocator's counters that tell a pool
     beside the activations from fragmentation (free space inside segments that live tensors pin),
-    and the segments by pool (a graph's private pool or the default one) and stream."""
+    the segments by pool (a graph's private pool or the default one) and stream, and what the live
+    blocks of the large segments are (parameters, gradients, optimizer state or other tensors):
+    long-lived tensors carved from the warm-up's freed activation blocks would keep those segments
+    from being handed back before the graphs' pool is taken."""
     stats = torch.cuda.memory_stats()
     mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
     peaks = {key: mib(stats.get(f"{key}.all.peak", 0)) for key in ("active_bytes", "inactive_split_bytes", "reserved_bytes")}
+    snapshot = torch.cuda.memory_snapshot()
     segments = {}
-    for segment in torch.cuda.memory_snapshot():
+    for segment in snapshot:
         key = (str(segment.get("segment_pool_id")), segment.get("stream"))
         total, used, count = segments.get(key, (0, 0, 0))
         segments[key] = (total + segment["total_size"], used + segment["allocated_size"], count + 1)
     held = "; ".join(f"pool {pool} stream {stream}: {count} segments, {mib(total)} MiB reserved, {mib(used)} MiB in use"
                      for (pool, stream), (total, used, count) in sorted(segments.items()))
-    return f"peaks MiB {peaks}; at the end: {held}"
+    try:
+        pinned = _large_segment_contents(trainer, snapshot)
+    except Exception as exc:  # a diagnostic: it must not hide the assertion it explains
+        pinned = f"(not read: {exc!r})"
+    return f"peaks MiB {peaks}; at the end: {held}; segments of 32 MiB or more: {pinned}"
+
+
+def _large_segment_contents(trainer, snapshot) -> str:
+    kinds = {}
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    for p in trainer.model.parameters():
+        kinds[p.data_ptr()] = "parameter"
+        if p.grad is not None:
+            kinds[p.grad.data_ptr()] = "gradient"
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.is_cuda:
+                kinds[value.data_ptr()] = "optimizer state"
+    rows = []
+    for segment in snapshot:
+        if segment["total_size"] < 32 * 2**20:
+            continue
+        live = [b for b in segment.get("blocks", ()) if b.get("state") == "active_allocated"]
+        found = {}
+        for block in live:
+            kind = kinds.get(block["address"], "other")
+            found[kind] = found.get(kind, 0) + 1
+        rows.append(f"pool {segment.get('segment_pool_id')} {mib_text(segment['total_size'])} MiB holding "
+                    f"{mib_text(segment['allocated_size'])} MiB in {len(live)} blocks {found}")
+    return "; ".join(rows) or "none"
+
+
+def mib_text(n: int) -> str:
+    return f"{n / 2**20:.1f}"
 
 
 def test_peak_memory_of_the_compiled_and_graphed_engines_stays_near_eager():
