@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 
 from fasttrain import Trainer
 from fasttrain.engine import ENGINES
+from fasttrain.engine import long_lived
 from fasttrain.engine.cudagraph import CudaGraphEngine
 from fasttrain.engine.hyperparams import inner_optimizer
 from fasttrain.engine.snapshot import StepSnapshot
@@ -74,12 +75,18 @@ class HostGraphEngine(CudaGraphEngine):
     #: calls of the allocator's empty_cache the engine made, and memory pools it started
     memory_returns = 0
     new_pools = 0
+    long_lived_allocations = 0
 
     def _device_reason(self):
         return None
 
     def _create_stream_and_pool(self, device):
         self._stream = self._pool = None
+
+    def _long_lived_allocations(self):
+        # the default allocator: the moved tensors are copied, as on a device, into new memory
+        HostGraphEngine.long_lived_allocations += 1
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _on_side_stream(self):
@@ -112,7 +119,10 @@ def host_graphs(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     HostGraphEngine.graphs = []
-    HostGraphEngine.memory_returns = HostGraphEngine.new_pools = 0
+    HostGraphEngine.memory_returns = HostGraphEngine.new_pools = HostGraphEngine.long_lived_allocations = 0
+    # every gradient and state tensor of these small models moves before a new pool, as the
+    # large ones of a real model do: each stand-in run checks the moved copies train on as before
+    monkeypatch.setattr(long_lived, "SMALL_BLOCK_LIMIT", -1)
     monkeypatch.setitem(ENGINES, "cudagraph", HostGraphEngine)
     yield
     torch._dynamo.reset()

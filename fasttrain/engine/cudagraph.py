@@ -52,6 +52,7 @@ from fasttrain.engine.graph_capture import DeviceCapture
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.graph_grads import GradientKeeper
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
+from fasttrain.engine.long_lived import LongLivedTensors
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
 from fasttrain.kernels import hold_chunk_tables
@@ -125,6 +126,8 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._own_zero_grad = True
         #: the gradient tensors the graphs write into, kept across hooks that set them to None
         self._grads = GradientKeeper()
+        #: gradients and optimizer state moved out of the warm-up's activation memory
+        self._long_lived = LongLivedTensors()
         # the model each graph was captured with (a callback may swap trainer.model)
         self._graphed_model = None
         self._eval_graphed_model = None
@@ -281,6 +284,22 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             self._sync_free_updates += int(update and not self.ctx.update_read_host())
         return batch_output
 
+    def _compiled_update(self) -> None:
+        # The update that creates the optimizer's state allocates it with the tensors that
+        # outlive the captures (long_lived.py): made in the default pool just after backward
+        # freed the activations, the state would pin their segments. (It cannot be moved later:
+        # the compiled update is specialised to the state tensors it was traced with.)
+        if self._train_fallback is None and self._state_missing():
+            with self._long_lived_allocations():
+                super()._compiled_update()
+        else:
+            super()._compiled_update()
+
+    def _state_missing(self) -> bool:
+        optimizer = inner_optimizer(self.trainer.optimizer)
+        state = optimizer.state
+        return any(p.grad is not None and not state.get(p) for g in optimizer.param_groups for p in g["params"])
+
     def _off_graph_step(self, batch, update: bool, signature) -> dict:
         # A batch of another shape than the captured one. The epoch's last, partial batch gets
         # graphs of its own in the shared pool (exact loss, no second set of activations); shapes
@@ -306,9 +325,17 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         return self._warmup_step(batch, update, signature)
 
     def _capture_and_replay(self, batch, update: bool, signature, last: bool = False) -> dict:
+        optimizer = inner_optimizer(self.trainer.optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self._pool is None or not self._graphs_held():
+            # this capture takes a new pool: first the tensors that outlive it leave the
+            # warm-up's activation memory, so that the pool's empty_cache can hand it back
+            with self._long_lived_allocations():
+                self._long_lived.move(params, optimizer, self._grads.kept, state=False)
         static = self._last_static if last else self._static
         if static is None:
-            static = StaticBatch(batch)
+            with self._long_lived_allocations():
+                static = StaticBatch(batch)
             if static.signature != signature:
                 self._fall_back_train("calculate_train_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
                 return self.train_step(batch, update)
@@ -317,8 +344,6 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             else:
                 self._static = static
         graphs = self._last_graphs if last else self._train_graphs
-        optimizer = inner_optimizer(self.trainer.optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         # gradients a hook set to None get their tensors back (zeroed) for the graph to write into
         self._grads.restore(params)
         references = ReferenceSnapshot(optimizer)
@@ -536,7 +561,8 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         return batch_output
 
     def _capture_eval(self, batch, signature, last: bool = False) -> dict:
-        static = StaticBatch(batch)
+        with self._long_lived_allocations():
+            static = StaticBatch(batch)
         if static.signature != signature:
             self._fall_back_eval("calculate_eval_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
             return self.eval_step(batch)

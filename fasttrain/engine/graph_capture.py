@@ -32,6 +32,17 @@ class DeviceCapture:
     def _create_stream_and_pool(self, device: torch.device) -> None:
         self._stream = torch.cuda.Stream(device=device)
         self._pool = None  # made by the first capture (_new_pool)
+        self._long_lived_pool = None  # made by the first move (_long_lived_allocations)
+
+    def _long_lived_allocations(self):
+        """Where tensors that outlive the captures are allocated (the static batch buffers, and
+        the gradients and optimizer state moved there before a new pool is taken, see
+        ``long_lived.py``): a memory pool of their own. Allocated in the default pool after the
+        warm-up, they would be carved from its freed activation blocks and keep those segments
+        from being handed back, so that the graphs' pool would be taken beside them."""
+        if self._long_lived_pool is None:
+            self._long_lived_pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(self._long_lived_pool)
 
     def _new_pool(self) -> None:
         # A capture with no graph alive starts a pool of its own: the allocator refuses to share

@@ -38,6 +38,11 @@ class GradientKeeper:
         #: the next replay binds them again as they are (valid for that one replay)
         self.known_zero: FrozenSet[int] = frozenset()
 
+    @property
+    def kept(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """Parameter -> its last gradient tensor (the dict itself: see long_lived.py)."""
+        return self._last
+
     def remember(self, params: Iterable[torch.Tensor]) -> None:
         """Keep the gradient tensors the parameters hold now (those that have one)."""
         last = self._last
