@@ -121,16 +121,30 @@ def test_the_table_pairs_fasttrain_lightning_with_lightning_and_fasttrain_eager(
             assert line.endswith(f"{sum(ratios) / 2:.2f} [{ratios[0]:.2f}-{ratios[1]:.2f}]"), line
 
 
-def test_fasttrains_eager_step_makes_no_more_python_calls_than_the_bare_loop():
-    """The workload counted rather than timed: Python function calls per training step (the
-    difference of a 120-step and a 20-step run, so per-run work cancels) of fasttrain's Trainer,
-    default callbacks and progress bar included, against the hand-written loop. The hooks,
-    the loss kept for the flush and the bar cost about 16 calls a step; clearing gradients without
-    torch's ``zero_grad`` wrapper (a dynamo-disabling frame and a profiler range, about 34 calls)
-    more than pays for them. Before that, fasttrain made 16 more calls a step than the loop."""
+def python_calls_per_step(peer) -> float:
+    """Python function calls per training step of a set-up ``peer``: the difference of a 120-step
+    and a 20-step run over 100, so that what a run costs once cancels."""
     import cProfile
     import pstats
 
+    peer.run(5)
+    calls = []
+    for steps in (20, 120):
+        profile = cProfile.Profile()
+        profile.enable()
+        peer.run(steps)
+        profile.disable()
+        calls.append(pstats.Stats(profile).total_calls)
+    return (calls[1] - calls[0]) / 100
+
+
+def test_fasttrains_eager_step_makes_no_more_python_calls_than_the_bare_loop():
+    """The workload counted rather than timed: Python function calls per training step of
+    fasttrain's Trainer, default callbacks and progress bar included, against the hand-written
+    loop. The hooks, the loss kept for the flush and the bar cost about 16 calls a step; clearing
+    gradients without torch's ``zero_grad`` wrapper (a dynamo-disabling frame and a profiler
+    range, about 34 calls) more than pays for them. Before that, fasttrain made 16 more calls a
+    step than the loop."""
     workload = make_workload("overhead", device="cpu")
     workload.resize(130)
     per_step = {}
@@ -138,15 +152,7 @@ def test_fasttrains_eager_step_makes_no_more_python_calls_than_the_bare_loop():
         for name in ("bare", "fasttrain-eager"):
             peer = make_peer(name, workload)
             peer.setup()
-            peer.run(5)
-            calls = []
-            for steps in (20, 120):
-                profile = cProfile.Profile()
-                profile.enable()
-                peer.run(steps)
-                profile.disable()
-                calls.append(pstats.Stats(profile).total_calls)
-            per_step[name] = (calls[1] - calls[0]) / 100
+            per_step[name] = python_calls_per_step(peer)
             peer.close()
     assert per_step["bare"] > 100, per_step  # the counting sees the steps
     assert per_step["fasttrain-eager"] <= per_step["bare"], per_step

@@ -128,29 +128,27 @@ def host_graphs(monkeypatch):
     torch._dynamo.reset()
 
 
-def eager_and_graphed(case, **overrides):
-    """``case`` run eagerly and on the graphed engine (without evaluation), with no fasttrain
-    warning; the graphed run kept both training graphs."""
+def eager_and_graphed(case, evaluate=False, **overrides):
+    """``case`` run eagerly and on the graphed engine (with evaluation only if ``evaluate``),
+    with no fasttrain warning; the graphed run kept both training graphs (and its evaluation
+    graph)."""
+    if not evaluate:
+        overrides["eval_dataset"] = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        eager = run(case, "eager", eval_dataset=None, **overrides)
-        graphed = run(case, "cudagraph", AOT, eval_dataset=None, **overrides)
+        eager = run(case, "eager", **overrides)
+        graphed = run(case, "cudagraph", AOT, **overrides)
     assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    if evaluate:
+        assert engine.active_eval_engine == "cudagraph" and engine._eval_graph is not None
     return eager, graphed
 
 
 def test_graphed_steps_match_eager_and_replay_from_the_ring():
-    case = mlp_case()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager")
-        graphed = run(case, "cudagraph", AOT)
-    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    eager, graphed = eager_and_graphed(mlp_case(), evaluate=True)
     engine = graphed.trainer._engine
-    assert engine.active_engine == "cudagraph" and engine.active_eval_engine == "cudagraph"
-    assert set(engine._train_graphs) == {False, True} and engine._eval_graph is not None
     # 70 samples / 8 = 9 batches (the last of 6) x 3 epochs. Epoch 1: 4 warm-up steps (two of
     # them updates), steps 4-7 replayed, then the partial batch's first run, before which every
     # graph is dropped. Epochs 2 and 3: the 8 full batches replay graphs captured again at once

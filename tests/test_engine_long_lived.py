@@ -10,7 +10,6 @@ the graphs' pool is taken is for the device (test_engine_cuda_second_pass's memo
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from fasttrain.engine import ENGINES, cudagraph, long_lived
 from fasttrain.engine.graph_buffers import StaticBatch
 from fasttrain.engine.long_lived import LongLivedTensors
 
-from engine_cases import assert_runs_match, fasttrain_warnings, mlp_case, run
-from test_engine_graph_logic import AOT, HostGraphEngine, host_graphs  # noqa: F401
+from engine_cases import assert_runs_match, mlp_case
+from test_engine_graph_logic import HostGraphEngine, eager_and_graphed, host_graphs  # noqa: F401
 
 #: the allocator's limit, read before host_graphs lowers it for the stand-in runs
 ALLOCATOR_LIMIT = long_lived.SMALL_BLOCK_LIMIT
@@ -68,14 +67,8 @@ def recording(monkeypatch):
 
 
 def test_state_gradients_and_static_buffers_are_made_in_the_long_lived_context_and_train_as_eager(recording):
-    case = mlp_case()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        eager = run(case, "eager")
-        graphed = run(case, "cudagraph", AOT)
-    assert not fasttrain_warnings(caught), fasttrain_warnings(caught)
+    eager, graphed = eager_and_graphed(mlp_case(), evaluate=True)
     engine = graphed.trainer._engine
-    assert engine.active_engine == "cudagraph"
     inside = {id(t) for t in PlacementRecordingEngine.made_inside}
     optimizer = graphed.trainer.optimizer
     optimizer = getattr(optimizer, "optimizer", optimizer)

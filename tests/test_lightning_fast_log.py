@@ -196,11 +196,10 @@ def test_python_calls_per_step_stay_close_to_fasttrains_own_trainer():
     checks once; Lightning makes about 3,400 more than fasttrain's Trainer). The bench's peer
     keeps Lightning's default bar, a Lightning callback whose hooks run every batch: about 73
     calls per step more (under Lightning the same bar adds about 260, its value reads included)."""
-    import cProfile
     import functools
-    import pstats
 
     from fasttrain.bench.peers import make_peer
+    from test_bench_overhead import python_calls_per_step
     from fasttrain.bench.runner import quiet
     from fasttrain.bench.workloads import make_workload
 
@@ -214,15 +213,7 @@ def test_python_calls_per_step_stay_close_to_fasttrains_own_trainer():
             if bar is False:
                 trainer_class = peer._trainer_class()
                 peer._trainer_class = lambda: functools.partial(trainer_class, enable_progress_bar=False)
-            peer.run(5)
-            calls = []
-            for steps in (20, 120):
-                profile = cProfile.Profile()
-                profile.enable()
-                peer.run(steps)
-                profile.disable()
-                calls.append(pstats.Stats(profile).total_calls)
-            per_step[name, bar] = (calls[1] - calls[0]) / 100
+            per_step[name, bar] = python_calls_per_step(peer)
             peer.close()
     eager = per_step["fasttrain-eager", None]
     assert eager > 100  # the counting sees the steps
