@@ -298,7 +298,7 @@ def test_the_documented_metrics_update_without_a_sync():
 
 
 # defect 2 -------------------------------------------------------------------------------------
-def _peak_bytes(engine, steps=24, epochs=1, partial=0):
+def _peak_bytes(engine, steps=24, epochs=1, partial=0, keep=None):
     """Peak device memory (allocated, reserved) of a training run whose logits dominate the
     activations (as GPT-2's do), with ``partial`` samples in a last, smaller batch. A graph's
     intermediates count as allocated only while it is captured; between replays the allocator
@@ -328,6 +328,8 @@ def _peak_bytes(engine, steps=24, epochs=1, partial=0):
     assert trainer.active_engine == engine
     torch.cuda.synchronize()
     _MEMORY_NOTES[engine] = _memory_note(trainer)
+    if keep is not None:
+        keep.append(trainer)
     return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved() - base_reserved
 
 
@@ -401,3 +403,27 @@ def test_the_partial_last_batch_takes_no_activations_beside_the_graph_pool():
     _, eager = _peak_bytes("eager", steps=8, epochs=3, partial=12)
     _, graphed = _peak_bytes("cudagraph", steps=8, epochs=3, partial=12)
     assert graphed <= 1.2 * eager, (graphed / 2**20, eager / 2**20, _MEMORY_NOTES)
+
+
+def test_the_optimizer_state_and_gradients_sit_in_the_long_lived_pool():
+    # what keeps the warm-up's activation segments free to go back before the graphs' pool is
+    # taken (fasttrain/engine/long_lived.py): every large state and gradient tensor lives in the
+    # engine's own pool, none in a segment of the default pool
+    kept = []
+    _peak_bytes("cudagraph", steps=8, keep=kept)
+    trainer = kept.pop()
+    pool = trainer._engine._long_lived_pool
+    assert pool is not None
+    segments = [(seg["address"], seg["address"] + seg["total_size"], tuple(seg.get("segment_pool_id") or ()))
+                for seg in torch.cuda.memory_snapshot()]
+
+    def pool_of(tensor):
+        return next(pid for low, high, pid in segments if low <= tensor.data_ptr() < high)
+
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    large = [v for state in optimizer.state.values() for v in state.values()
+             if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > 1 << 20]
+    large += [p.grad for group in optimizer.param_groups for p in group["params"]
+              if p.grad is not None and p.grad.untyped_storage().nbytes() > 1 << 20]
+    assert len(large) >= 3  # the embedding's gradient and its two Adam moments
+    assert {pool_of(t) for t in large} == {tuple(pool.id)}, _MEMORY_NOTES
