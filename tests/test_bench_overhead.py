@@ -156,3 +156,25 @@ def test_fasttrains_eager_step_makes_no_more_python_calls_than_the_bare_loop():
             peer.close()
     assert per_step["bare"] > 100, per_step  # the counting sees the steps
     assert per_step["fasttrain-eager"] <= per_step["bare"], per_step
+
+
+def test_the_instruction_counter_runs_a_peer_the_way_it_is_counted(monkeypatch):
+    """benchmarks/instructions_per_step.py: what callgrind runs, run here without it (the count
+    itself takes minutes a peer: benchmarks/README.md quotes it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "instructions_per_step.py"
+    spec = importlib.util.spec_from_file_location("instructions_per_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ran = []
+    real = SyntheticBatches.__getitems__
+
+    def counting(self, indices):
+        ran.append(len(indices))
+        return real(self, indices)
+
+    monkeypatch.setattr(SyntheticBatches, "__getitems__", counting)
+    module.run_peer("bare", 7)
+    assert ran == [16] * (50 + 7)  # the warm-up's batches, then the counted ones
