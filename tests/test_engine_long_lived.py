@@ -90,34 +90,29 @@ def allocator_limit(monkeypatch):
     monkeypatch.setattr(long_lived, "SMALL_BLOCK_LIMIT", ALLOCATOR_LIMIT)
 
 
-def test_move_copies_large_whole_tensors_once_and_binds_them_everywhere(allocator_limit):
+def test_move_copies_large_whole_gradients_once_and_binds_them_everywhere(allocator_limit):
     params = [torch.nn.Parameter(_big()), torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(_big())]
     params[0].grad = torch.full_like(params[0], 2.0)
     params[1].grad = torch.ones(4)  # small: from the allocator's small segments, left as it is
     dropped = torch.full_like(params[2], 3.0)  # a gradient a hook set to None, kept by the engine
-    optimizer = torch.optim.AdamW(params)
-    optimizer.state[params[0]] = {"exp_avg": torch.full_like(params[0], 5.0), "step": torch.tensor(1.0)}
     kept = {params[0]: params[0].grad, params[2]: dropped}
     small_grad, original = params[1].grad, params[0].grad
     mover = LongLivedTensors()
-    assert mover.move(params, optimizer, kept) == 3
+    assert mover.move(params, kept) == 2
     assert params[0].grad is not original and torch.equal(params[0].grad, torch.full_like(params[0], 2.0))
     assert kept[params[0]] is params[0].grad  # the kept gradient is the bound one
     assert kept[params[2]] is not dropped and torch.equal(kept[params[2]], dropped) and params[2].grad is None
     assert params[1].grad is small_grad
-    assert torch.equal(optimizer.state[params[0]]["exp_avg"], torch.full_like(params[0], 5.0))
-    moved = (params[0].grad, kept[params[2]], optimizer.state[params[0]]["exp_avg"])
-    assert mover.move(params, optimizer, kept) == 0  # each is moved once
-    assert (params[0].grad, kept[params[2]], optimizer.state[params[0]]["exp_avg"]) == moved
-    assert mover.move(params, optimizer, kept, state=False) == 0
+    moved = (params[0].grad, kept[params[2]])
+    assert mover.move(params, kept) == 0  # each is moved once
+    assert (params[0].grad, kept[params[2]]) == moved
 
 
 def test_views_and_shared_storages_are_not_copied_apart(allocator_limit):
     base = torch.zeros(2, (1 << 20) // 4 + 1)
     p = torch.nn.Parameter(torch.zeros(base.shape[1]))
     p.grad = base[1]  # a view: copying it alone would cut it from its storage
-    optimizer = torch.optim.SGD([p], lr=0.1)
-    assert LongLivedTensors().move([p], optimizer, {}) == 0
+    assert LongLivedTensors().move([p], {}) == 0
     assert p.grad._base is base
 
 

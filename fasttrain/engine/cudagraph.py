@@ -126,7 +126,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._own_zero_grad = True
         #: the gradient tensors the graphs write into, kept across hooks that set them to None
         self._grads = GradientKeeper()
-        #: gradients and optimizer state moved out of the warm-up's activation memory
+        #: gradients moved out of the warm-up's activation memory (the state is made apart)
         self._long_lived = LongLivedTensors()
         # the model each graph was captured with (a callback may swap trainer.model)
         self._graphed_model = None
@@ -331,7 +331,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             # this capture takes a new pool: first the tensors that outlive it leave the
             # warm-up's activation memory, so that the pool's empty_cache can hand it back
             with self._long_lived_allocations():
-                self._long_lived.move(params, optimizer, self._grads.kept, state=False)
+                self._long_lived.move(params, self._grads.kept)
         static = self._last_static if last else self._static
         if static is None:
             with self._long_lived_allocations():

@@ -35,9 +35,9 @@ class DeviceCapture:
         self._long_lived_pool = None  # made by the first move (_long_lived_allocations)
 
     def _long_lived_allocations(self):
-        """Where tensors that outlive the captures are allocated (the static batch buffers, and
-        the gradients and optimizer state moved there before a new pool is taken, see
-        ``long_lived.py``): a memory pool of their own. Allocated in the default pool after the
+        """Where tensors that outlive the captures are allocated (the optimizer state at its
+        creation, the static batch buffers, and the gradients moved there before a new pool is
+        taken, see ``long_lived.py``): a memory pool of their own. Allocated in the default pool after the
         warm-up, they would be carved from its freed activation blocks and keep those segments
         from being handed back, so that the graphs' pool would be taken beside them."""
         if self._long_lived_pool is None:

@@ -8,19 +8,22 @@ back. One such tensor keeps a whole segment of the default pool reserved: ``empt
 back only segments with nothing alive in them. The graphs then take their own pool beside the
 warm-up's segments, and the run reserves two sets of activations.
 
-Before a new pool is taken, :func:`move_long_lived` copies every such tensor larger than the
-allocator's small-block limit (smaller ones come from small segments that activations never use)
-into fresh memory, allocated where the engine says (its own pool on CUDA), and binds the copy
-where the original was: ``p.grad``, the gradient the engine keeps for hooks that drop it, and the
-optimizer's state entry. The copies hold the same values, so training goes on as before; the
-originals' blocks become free, and their segments go back at the pool's ``empty_cache``. Nothing
-captured refers to the originals: a new pool is taken only when no graph is held.
+The optimizer's state is therefore made in the engine's long-lived pool at the update that creates
+it (it cannot be moved afterwards: the compiled update is specialised to the state tensors it was
+traced with). The gradients are made by the warm-up's backward, so before a new pool is taken
+:meth:`LongLivedTensors.move` copies every gradient larger than the allocator's small-block limit
+(smaller ones come from small segments that activations never use) into fresh memory, allocated
+where the engine says (its own pool on CUDA), and binds the copy where the original was: ``p.grad``
+and the gradient the engine keeps for hooks that drop it. The copies hold the same values, so
+training goes on as before; the originals' blocks become free, and their segments go back at the
+pool's ``empty_cache``. Nothing captured refers to the originals: a new pool is taken only when no
+graph is held.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable
 
 import torch
 
@@ -60,12 +63,11 @@ class LongLivedTensors:
         ref = self._moved.get(id(tensor))
         return (ref is None or ref() is not tensor) and _movable(tensor)
 
-    def move(self, params: Iterable[torch.Tensor], optimizer, kept_grads: dict, state: bool = True) -> int:
-        """Copy the large gradients (``p.grad`` and the engine's kept ones in ``kept_grads``,
-        parameter -> tensor) and optimizer state tensors not moved before; returns how many
-        were copied. Call it inside the allocation context the copies belong to."""
+    def move(self, params: Iterable[torch.Tensor], kept_grads: dict) -> int:
+        """Copy the large gradients not moved before (``p.grad`` and the engine's kept ones in
+        ``kept_grads``, parameter -> tensor); returns how many were copied. Call it inside the
+        allocation context the copies belong to."""
         moved = 0
-        params: List[torch.Tensor] = list(params)
         for p in params:
             grad = p.grad
             if self._needs_moving(grad):
@@ -78,9 +80,4 @@ class LongLivedTensors:
             if self._needs_moving(kept) and kept is not p.grad:
                 kept_grads[p] = self._copy(kept)
                 moved += 1
-        for entries in optimizer.state.values() if state else ():
-            for key, value in list(entries.items()):
-                if self._needs_moving(value):
-                    entries[key] = self._copy(value)
-                    moved += 1
         return moved
