@@ -19,6 +19,7 @@ from fasttrain import Trainer
 from fasttrain.engine.eager import EagerEngine
 
 from engine_cases import fasttrain_warnings, mlp_case, run
+from memory_trace import recorded_history
 
 pytestmark = [
     pytest.mark.gpu,
@@ -298,12 +299,20 @@ def test_the_documented_metrics_update_without_a_sync():
 
 
 # defect 2 -------------------------------------------------------------------------------------
-def _peak_bytes(engine, steps=24, epochs=1, partial=0, keep=None):
+def _peak_bytes(engine, steps=24, epochs=1, partial=0, keep=None, trace=False):
     """Peak device memory (allocated, reserved) of a training run whose logits dominate the
     activations (as GPT-2's do), with ``partial`` samples in a last, smaller batch. A graph's
     intermediates count as allocated only while it is captured; between replays the allocator
     sees them as free blocks of the graph's pool, so memory taken beside the pool shows in the
-    reserved peak."""
+    reserved peak. ``trace``: record the allocator's history and note what was alive at the
+    allocated peak (tests/memory_trace.py) in ``_MEMORY_NOTES[engine + " peak"]``."""
+    if trace:
+        notes = []
+        try:
+            with recorded_history(notes):
+                return _peak_bytes(engine, steps, epochs, partial, keep)
+        finally:
+            _MEMORY_NOTES[f"{engine} peak"] = " ".join(notes)
     from engine_cases import TinyGPT
 
     torch.cuda.empty_cache()
@@ -392,16 +401,16 @@ def mib_text(n: int) -> str:
 
 
 def test_peak_memory_of_the_compiled_and_graphed_engines_stays_near_eager():
-    eager, _ = _peak_bytes("eager")
+    eager, _ = _peak_bytes("eager", trace=True)
     for engine in ("compiled", "cudagraph"):
-        peak, _ = _peak_bytes(engine)
+        peak, _ = _peak_bytes(engine, trace=True)
         assert peak <= 1.2 * eager, (engine, peak / 2**20, eager / 2**20, _MEMORY_NOTES)
 
 
 def test_the_partial_last_batch_takes_no_activations_beside_the_graph_pool():
     # three epochs with a last batch of 12 of 16 samples: its first run, then its own graph
-    _, eager = _peak_bytes("eager", steps=8, epochs=3, partial=12)
-    _, graphed = _peak_bytes("cudagraph", steps=8, epochs=3, partial=12)
+    _, eager = _peak_bytes("eager", steps=8, epochs=3, partial=12, trace=True)
+    _, graphed = _peak_bytes("cudagraph", steps=8, epochs=3, partial=12, trace=True)
     assert graphed <= 1.2 * eager, (graphed / 2**20, eager / 2**20, _MEMORY_NOTES)
 
 
