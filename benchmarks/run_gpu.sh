@@ -257,7 +257,8 @@ step_command() {
         pytest-gpu)
             # every test module is collected (-m filters afterwards); one whose package is
             # missing here is skipped by its importorskip, never a collection error
-            CMD=("$PY" -m pytest -m gpu -q -p no:cacheprovider tests) ;;
+            # the JUnit report keeps each failure's whole message for the result file
+            CMD=("$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$folder/junit.xml" tests) ;;
         check-*)
             CMD=("$PY" benchmarks/gpu_check.py --device "$DEVICE" --workloads "${name#check-}"
                  --out "$folder" "${CHECK_SIZE[@]}") ;;

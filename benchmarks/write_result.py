@@ -26,7 +26,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 #: the order the steps' sections appear in, whatever order they ran in
 STEP_ORDER = (
@@ -106,21 +106,55 @@ def log_tail(path: str) -> str:
     return tail if len(tail) == len(text.rstrip("\n")) else "[...]\n" + tail
 
 
-def pytest_section(log: str) -> str:
-    """pytest's summary line and the tests that failed or errored."""
+def pytest_section(log: str, junit: Optional[str] = None) -> str:
+    """pytest's summary line, the tests that failed or errored and, from its JUnit XML report
+    (``junit``, the path), each one's message whole (up to FAILURE_MESSAGE_CHARS): the summary
+    lines are cut to the terminal's width and the log's tail may not reach the failures, while the
+    GPU tests' messages carry their diagnostics (where memory sat at a peak, what a capture did)."""
     lines = log.splitlines()
     summary = [line for line in lines if re.search(r"\d+ (passed|failed|skipped|error|deselected)", line)]
     failed = [line.strip() for line in lines if line.startswith(("FAILED ", "ERROR "))]
     out = [f"`{summary[-1].strip('= ') if summary else 'no summary line (the run did not finish)'}`"]
     if failed:
         out += [""] + [f"- {line}" for line in failed]
+    messages = junit_failures(junit) if junit and os.path.exists(junit) else []
+    if messages:
+        out += ["", "Failure messages (pytest's JUnit report):", ""]
+        for test, message in messages:
+            if len(message) > FAILURE_MESSAGE_CHARS:
+                message = message[:FAILURE_MESSAGE_CHARS] + f" [... {len(message) - FAILURE_MESSAGE_CHARS} more characters]"
+            out += [f"- `{test}`:", "", "  ```", *[f"  {line}" for line in message.splitlines()], "  ```"]
     return "\n".join(out)
+
+
+#: how much of one failing test's message result.md keeps
+FAILURE_MESSAGE_CHARS = 6000
+
+
+def junit_failures(path: str) -> List[Tuple[str, str]]:
+    """``(test id, message)`` of every failed or errored test case in a JUnit XML report; an
+    unreadable report (a run cut off while writing it) gives none."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (ET.ParseError, OSError):
+        return []
+    found = []
+    for case in root.iter("testcase"):
+        for kind in ("failure", "error"):
+            element = case.find(kind)
+            if element is not None:
+                name = f"{case.get('classname', '?')}::{case.get('name', '?')}"
+                found.append((name, element.get("message") or (element.text or "").strip()))
+    return found
 
 
 def step_section(name: str, folder: str, log_path: str) -> str:
     """The Markdown a step contributes: its tables (every ``.md`` it wrote), or pytest's summary."""
     if name == "pytest-gpu":
-        return pytest_section(_read(log_path)) if os.path.exists(log_path) else ""
+        junit = os.path.join(folder, "junit.xml")
+        return pytest_section(_read(log_path), junit) if os.path.exists(log_path) else ""
     parts = [_drop_title(_read(path)) for path in sorted(glob.glob(os.path.join(folder, "*.md")))]
     return "\n\n".join(p for p in parts if p)
 

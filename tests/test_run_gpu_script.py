@@ -374,3 +374,46 @@ def test_the_suite_collects_where_optional_packages_are_missing():
     assert result.returncode == 0, result.stdout[-3000:]
     assert "error" not in result.stdout.splitlines()[-1]
     assert "could not import 'pytorch_accelerated'" in result.stdout
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1" tests="3">
+<testcase classname="tests.test_engine_cuda_second_pass" name="test_peak_memory" time="9.1"><failure message="AssertionError: ('cudagraph', 1989.0, 1602.0)&#10;traced allocated peak 1989.0 MiB">long traceback</failure></testcase>
+<testcase classname="tests.test_x" name="test_ok" time="0.1"/>
+<testcase classname="tests.test_y" name="test_setup" time="0.1"><error message="fixture failed">trace</error></testcase>
+</testsuite></testsuites>"""
+
+
+def test_the_pytest_section_carries_each_failures_whole_message_from_the_junit_report(tmp_path, monkeypatch):
+    # the summary's FAILED lines are cut to the terminal's width and run.log keeps only the log's
+    # end, so a failing GPU test's diagnostics reach the result file through pytest's JUnit report
+    monkeypatch.setattr(W, "environment", lambda device: dict(ENV))
+    out = tmp_path / "out"
+    out.mkdir()
+    work = _scratch(tmp_path, [("pytest-gpu", 1, 120, 400, "tests", 100)])
+    (work / "logs" / "pytest-gpu.log").write_text(
+        "F.E\nFAILED tests/test_engine_cuda_second_pass.py::test_peak_memory - Assertio...\n"
+        "1 failed, 1 passed, 1 error in 9.3s\n")
+    (work / "steps" / "pytest-gpu" / "junit.xml").write_text(JUNIT)
+    assert W.main(["--work", str(work), "--out", str(out), "--device", "cuda", "--command", "c"]) == 0
+    text = (out / "result.md").read_text()
+    assert ("- `tests.test_engine_cuda_second_pass::test_peak_memory`:\n\n  ```\n"
+            "  AssertionError: ('cudagraph', 1989.0, 1602.0)\n  traced allocated peak 1989.0 MiB\n  ```") in text, text
+    assert "- `tests.test_y::test_setup`:\n\n  ```\n  fixture failed\n  ```" in text
+    assert "test_ok" not in text
+
+
+def test_a_long_failure_message_is_cut_and_says_how_much_was_left_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(W, "FAILURE_MESSAGE_CHARS", 10)
+    junit = tmp_path / "junit.xml"
+    junit.write_text(JUNIT)
+    text = W.pytest_section("1 failed in 1s\n", str(junit))
+    assert "  AssertionE [... 68 more characters]" in text, text
+    assert W.pytest_section("1 failed in 1s\n", str(tmp_path / "missing.xml")) == "`1 failed in 1s`"
+    (tmp_path / "cut.xml").write_text(JUNIT[:200])  # a run stopped while pytest wrote it
+    assert W.pytest_section("1 failed in 1s\n", str(tmp_path / "cut.xml")) == "`1 failed in 1s`"
+
+
+def test_the_gpu_tests_step_writes_a_junit_report_where_the_result_file_reads_it():
+    with open(os.path.join(ROOT, "benchmarks", "run_gpu.sh")) as f:
+        script = f.read()
+    assert '--junitxml "$folder/junit.xml"' in script
