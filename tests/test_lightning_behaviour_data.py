@@ -1,8 +1,10 @@
 """Seeded data order: fasttrain.lightning.Trainer draws from the random state and from a
 loader's generator in lightning.Trainer's pattern, so a seeded fit sees the same batches in
-every epoch, with or without a sanity check, and after a mid-epoch resume."""
+every epoch, with or without a sanity check, and after a mid-epoch resume (a loader that keeps
+its position continuing from it, as in Lightning)."""
 
 import os
+import warnings
 import sys
 from pathlib import Path
 
@@ -129,3 +131,73 @@ def test_a_shuffled_validation_loader_sees_lightnings_batches(limit):
     reference, ours = out["lightning"], out["fasttrain"]
     assert sum(1 for s in reference.seen if s[0] == "val") == 1 + 3 * (4 if limit == 1.0 else 2)
     assert ours.seen == reference.seen
+
+
+class ResumableLoader(DataLoader):
+    """A loader that keeps its position in the epoch (``state_dict``/``load_state_dict``, as
+    torchdata's StatefulDataLoader does): after a load, its next epoch skips the batches given."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.given = self.skip = 0
+
+    def __iter__(self):
+        skip, self.skip, self.given = self.skip, 0, 0
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.given = index + 1
+                yield batch
+
+    def state_dict(self):
+        return {"given": self.given}
+
+    def load_state_dict(self, state):
+        self.skip = state["given"]
+
+
+def _resume_mid_epoch(tmp_path, trainer_cls, make_loader):
+    """A fit of 2 epochs of 4 batches by ``trainer_cls`` writing a checkpoint every 3 steps, then
+    a fresh module fitted from the one at step 3; the checkpoint's fit-loop state, the resumed
+    module and the warnings of the resumed fit."""
+    directory = tmp_path / trainer_cls.__module__.split(".")[0]
+    every = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    kwargs = {k: v for k, v in QUIET.items() if k != "enable_checkpointing"}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer_cls(max_epochs=2, callbacks=[every], **kwargs).fit(Seen(), make_loader())
+    path = directory / "step=3.ckpt"
+    saved = torch.load(path, weights_only=True)["loops"]["fit_loop"]["state_dict"]
+    torch.manual_seed(1)
+    module = Seen()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_cls(max_epochs=2, **QUIET).fit(module, make_loader(), ckpt_path=path)
+    return saved, module, [str(w.message) for w in caught if "resuming from a checkpoint" in str(w.message)]
+
+
+def test_a_resumable_loader_continues_a_mid_epoch_resume_like_lightning(tmp_path):
+    # each trainer writes the loader's state into its checkpoint and loads it when it resumes:
+    # the resumed epoch takes the loader's fourth batch, not its first
+    (lightning_cls, fasttrain_cls) = (cls for _, cls in trainers())
+    reference_state, reference, reference_warnings = _resume_mid_epoch(
+        tmp_path, lightning_cls, lambda: ResumableLoader(INDEXED, batch_size=4))
+    state, ours, our_warnings = _resume_mid_epoch(tmp_path, fasttrain_cls, lambda: ResumableLoader(INDEXED, batch_size=4))
+    assert reference_state == {"combined_loader": [{"given": 3}]}
+    assert state == reference_state
+    assert reference.seen[0] == (0, 3, [12, 13, 14, 15])
+    assert ours.seen == reference.seen
+    assert_same_weights(reference, ours)
+    assert reference_warnings == our_warnings == []
+
+
+def test_a_mid_epoch_resume_of_a_loader_without_state_warns_like_lightning(tmp_path):
+    (lightning_cls, fasttrain_cls) = (cls for _, cls in trainers())
+    reference_state, reference, reference_warnings = _resume_mid_epoch(
+        tmp_path, lightning_cls, lambda: DataLoader(INDEXED, batch_size=4))
+    state, ours, our_warnings = _resume_mid_epoch(tmp_path, fasttrain_cls, lambda: DataLoader(INDEXED, batch_size=4))
+    assert reference_state == state == {}
+    assert len(reference_warnings) == 1 and "your dataloader is not resumable" in reference_warnings[0]
+    assert our_warnings == reference_warnings
+    assert ours.seen == reference.seen
+    assert_same_weights(reference, ours)

@@ -28,6 +28,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader
 
+from fasttrain.lightning.loader_state import warn_if_not_resumable
+
 
 class _AutomaticOptimization(_Loop):
     """Counts the optimizer's ``step`` and ``zero_grad`` calls under automatic optimization."""
@@ -270,6 +272,7 @@ class TrainingEpochLoop(_Loop):
         batches.reset_on_restart()
         self.scheduler_progress.reset_on_restart()
         self.automatic_optimization.optim_progress.reset_on_restart()
+        warn_if_not_resumable(self.trainer, self.global_step)
         if after_validation and stepped():
             # Lightning passes over the validation it ran before saving, counting the batch's step
             self._batches_that_stepped += 1
@@ -342,6 +345,13 @@ class FitLoop(_Loop):
         ):
             return True
         return bool(self.trainer.should_stop) and self._can_stop_early
+
+    def on_save_checkpoint(self) -> dict:
+        states = self.trainer._loader_states.state()  # resumable training loaders, as Lightning saves them
+        return {"combined_loader": states} if states else {}
+
+    def on_load_checkpoint(self, state_dict: dict) -> None:
+        self.trainer._loader_states.keep_for_loading(state_dict.get("combined_loader", []))
 
     def restore(self, state: dict) -> None:
         """A checkpoint's ``fit_loop`` state, loaded as Lightning loads it (``restarting`` by

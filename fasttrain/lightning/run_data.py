@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.seed import isolate_rng
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from fasttrain.lightning.arguments import num_batches
-from fasttrain.lightning.combined import CombinedData, evaluation_loaders, training_data
+from fasttrain.lightning.combined import CombinedData, evaluation_loaders, flat, training_data
 from fasttrain.lightning.hooks import module_overrides
 from fasttrain.lightning.loops import prepare_eval_loader, prepare_train_loader
 
@@ -123,6 +123,10 @@ def load_train_data(lt, given, processes: int) -> None:
             category=PossibleUserWarning,
         )
     lt._train_reloaded_epoch = lt.current_epoch
+    # a resumable loader continues where the checkpoint of a restarting fit left it (Lightning's
+    # order: after the limits are set, before the first iterator is made)
+    lt._loader_states.set_loaders(flat([train_loader]), processes)
+    lt._loader_states.load(lt.fit_loop.restarting)
     runner = lt._runner
     if runner is not None and runner._train_dataloader is not None and runner.run_config.is_distributed:
         # a reload inside the fit: shard the new loader as the first one was

@@ -34,6 +34,7 @@ from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, ord
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loop_objects import LoopProperties
 from fasttrain.lightning.profiler import build_profiler
+from fasttrain.lightning.loader_state import LoaderStates
 from fasttrain.lightning.progress_bars import ProgressBarMetrics, configure_progress_bar
 from fasttrain.lightning.results import ResultStore
 from fasttrain.lightning.runner import ModuleRunner
@@ -139,6 +140,8 @@ class Trainer(LoopProperties):
         self._scaler_state = None
         self._device = torch.device("cpu")
         self._train_loader = None
+        #: the training loaders' own states, saved in checkpoints and loaded on resume (loader_state.py)
+        self._loader_states = LoaderStates()
         self._val_loaders: list = []
         self._test_loaders: list = []
         self._predict_loaders: list = []
