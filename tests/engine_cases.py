@@ -167,7 +167,9 @@ def dynamo_counts():
     """(graphs compiled, frames compiled): a recompile raises the second, a new graph the first."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"], counters["frames"]["total"]
+    from fasttrain.engine.compile_events import compiles_so_far
+
+    return counters["stats"]["unique_graphs"], compiles_so_far()
 
 
 def fasttrain_warnings(caught) -> List[str]:
@@ -182,11 +184,12 @@ class CountsCaptureFrames:
     frames_in_captures: List[int] = []
 
     def _capture(self, body):
-        from torch._dynamo.utils import counters
+        from fasttrain.engine.compile_events import compiles_so_far
 
-        before = counters["frames"]["total"]
+        # every frame compiled, the fullgraph=True ones included (compile_events.py)
+        before = compiles_so_far()
         result = super()._capture(body)
-        type(self).frames_in_captures.append(counters["frames"]["total"] - before)
+        type(self).frames_in_captures.append(compiles_so_far() - before)
         return result
 
 

@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 from fasttrain import Trainer
 from fasttrain.engine import ENGINES
 from fasttrain.engine import long_lived
+from fasttrain.engine.compile_events import compiles_so_far
 from fasttrain.engine.cudagraph import CudaGraphEngine
 from fasttrain.engine.hyperparams import inner_optimizer
 from fasttrain.engine.snapshot import StepSnapshot
@@ -45,18 +46,37 @@ HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 
 
 class HostGraph:
+    """A recorded step; its replay runs the step's Python again. A real replay runs only the
+    kernels the capture recorded, with the Python values the capture saw: where the step's Python
+    would now take another path, dynamo compiles it again (its guards failed), and the stand-in
+    says so rather than replaying what a device would not."""
+
     def __init__(self, body):
         self._body = body
         self.replays = 0
 
     def replay(self):
         self.replays += 1
-        self._body()
+        before = compiles_so_far()
+        try:
+            self._body()
+        finally:
+            if compiles_so_far() != before:
+                raise StaleReplay(
+                    "a replay compiled the step again: its Python reads values that changed since "
+                    "the capture, which a CUDA graph would replay unchanged (no error on a device)"
+                )
+
+
+class StaleReplay(AssertionError):
+    """A stand-in replay whose step no longer matches its capture (see :class:`HostGraph`)."""
 
 
 @contextlib.contextmanager
 def _host_reads_raise():
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    # torch.Tensor's own attributes only: the methods it inherits are put back by deleting the
+    # stand-in, so the class is left as it was found
+    originals = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS}
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("called a synchronizing CUDA operation (host read during capture)")
@@ -67,7 +87,10 @@ def _host_reads_raise():
         yield
     finally:
         for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
 
 
 class HostGraphEngine(CudaGraphEngine):

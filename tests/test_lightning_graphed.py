@@ -152,3 +152,36 @@ def test_a_step_that_appends_to_a_module_attribute_is_not_replayed(graphed_engin
     for ours, theirs in zip(fm.epoch_means, lm.epoch_means):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     assert_same_weights(lm, fm, atol=1e-5)
+
+
+class ReadsTheStep(Classifier):
+    """Logs Lightning's step counter and branches on the batch index: Python values that change
+    every batch, which a replayed graph would repeat as captured."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("step_seen", float(self.global_step), on_step=True, on_epoch=False)
+        if batch_idx == 1:
+            loss = loss * 2
+        return loss
+
+
+def test_a_step_reading_the_batch_index_and_global_step_is_not_replayed_stale(graphed_engine):
+    lt, lm, ft, fm = fit_both(
+        ReadsTheStep, train_loader, trainer_kwargs=dict(max_epochs=3),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    # no graph is kept: each capture compiled the step again, then so did every compiled step
+    assert ft.engine == "eager"
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+    assert float(ft.logged_metrics["step_seen"]) == float(lt.logged_metrics["step_seen"]) == 17.0
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(max_epochs=3, engine="cudagraph", compile_options=AOT, **QUIET).fit(ReadsTheStep(), train_loader())
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert len(ours) == 2, ours
+    assert "compiled again while it was captured" in ours[0] and "lightning_graphed.py" in ours[0], ours
+    assert "'compiled'" in ours[0] and "recompile_limit" in ours[1] and "'eager'" in ours[1], ours

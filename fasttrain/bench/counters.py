@@ -157,9 +157,13 @@ class RecompileCounter:
 
     @staticmethod
     def _snapshot():
+        from fasttrain.engine.compile_events import compiles_so_far
+
         c = _dynamo_counters()
+        # frames compiled by either of dynamo's paths: counters["frames"] leaves out the
+        # fullgraph=True one, which fasttrain's engines compile their forward hooks with
         return (
-            c["frames"]["total"],
+            compiles_so_far(),
             c["stats"]["unique_graphs"],
             sum(c["graph_break"].values()),
         )

@@ -53,6 +53,7 @@ from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, 
 from fasttrain.engine.graph_grads import GradientKeeper
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
 from fasttrain.engine.long_lived import LongLivedTensors
+from fasttrain.engine.compile_events import CompileMark, stale_capture_reason
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
 from fasttrain.kernels import hold_chunk_tables
@@ -352,6 +353,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             self.ctx.before_update_capture()
         effects = self.ctx.host_effects
         mark = effects.mark()
+        compiles = CompileMark()
         try:
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
@@ -363,13 +365,18 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
                     "a hook replaced or removed gradient tensors during capture; call "
                     "zero_grad(set_to_none=False) in optimizer_zero_grad"
                 )
+            if compiles.compiled():
+                # the warm-up compiled everything a capture runs, unless the step's Python reads a
+                # value that changed since (compile_events.py): that value would replay for good
+                raise _CaptureRefused(stale_capture_reason(compiles))
         except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
                 raise
             references.restore()
             self._drop_graphs()
-            self._fall_back_train(self._hook, describe_error(error), CompiledEngine)
+            reason = stale_capture_reason(compiles) if compiles.compiled() else describe_error(error)
+            self._fall_back_train(self._compiling_hook(compiles), reason, CompiledEngine)
             return self.train_step(batch, update)
         self._grads.remember(params)  # the tensors this graph writes into
         captured = graphs[update] = CapturedStep(
@@ -381,6 +388,14 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         captured.record = CaptureRecord(self.trainer.model, optimizer)
         self._graphed_model = self.trainer.model
         return self._replay(captured, batch, update)
+
+    def _compiling_hook(self, compiles: CompileMark) -> Optional[str]:
+        # the hook whose compiled function failed a guard, for the warning; else the one running
+        names = {name for name, _ in compiles.guard_failures()}
+        for code_name, hook in (("_train_forward", "calculate_train_batch_loss"), ("_update", "optimizer_step")):
+            if code_name in names:
+                return hook
+        return self._hook
 
     def _train_body(self, batch, update: bool, zero_grad):
         trainer = self.trainer
@@ -576,15 +591,19 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
 
         effects = self.ctx.host_effects
         mark = effects.mark()
+        compiles = CompileMark()
         try:
             graph, batch_output = self._capture(body)
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
+            if compiles.compiled():
+                raise _CaptureRefused(stale_capture_reason(compiles))  # as in training
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
                 raise
             self._drop_eval_graphs()
-            self._fall_back_eval(self._hook, describe_error(error), CompiledEngine)
+            reason = stale_capture_reason(compiles) if compiles.compiled() else describe_error(error)
+            self._fall_back_eval(self._hook, reason, CompiledEngine)
             return self.eval_step(batch)
         captured = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
         captured.effects = taken

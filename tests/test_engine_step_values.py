@@ -1,0 +1,69 @@
+"""A step whose hooks read Python values that change from step to step (a counter, the batch
+index, Lightning's ``self.global_step``) on the graphed engine, on the CPU with the host
+stand-ins of test_engine_graph_logic.
+
+A CUDA graph replays the kernels its capture recorded: the Python that chose them does not run
+again, so a value read on the host at capture would be replayed for good (a branch frozen, a
+logged step number stuck), with no error. Dynamo guards on such values and compiles the hook again
+when they change; the graphed engine sees that compilation inside the capture and does not keep
+the graph: the step runs compiled (and, when every step compiles again, eagerly), with a warning
+naming the guard that failed.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from fasttrain import Trainer
+from fasttrain.callbacks import TrainerCallback
+
+from engine_cases import assert_runs_match, mlp_case, run
+from test_engine_graph_logic import AOT, host_graphs  # noqa: F401
+
+
+class CountSteps(TrainerCallback):
+    def on_train_step_start(self, trainer, **kwargs):
+        trainer.step_count += 1
+
+
+class ScalesByStep(Trainer):
+    """Scales each micro-step's loss by a factor that a callback changes on the host every step."""
+
+    def __init__(self, *args, callbacks=(), **kwargs):
+        super().__init__(*args, callbacks=[*callbacks, CountSteps()], **kwargs)
+        self.step_count = 0
+
+    def calculate_train_batch_loss(self, batch):
+        output = super().calculate_train_batch_loss(batch)
+        output["loss"] = output["loss"] * (1.0 + (self.step_count % 3) * 0.5)
+        return output
+
+
+def test_a_hook_reading_a_value_that_changes_every_step_is_not_replayed_stale():
+    case = mlp_case(epochs=2, trainer_cls=ScalesByStep)
+    eager = run(case, "eager", eval_dataset=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("fasttrain:")]
+    print(ours)
+    assert graphed.trainer.active_engine != "cudagraph"
+    assert any("compiled again while it was captured" in m and "step_count" in m for m in ours), ours
+    assert_runs_match(eager, graphed)
+
+
+def test_the_compiled_engine_names_the_guard_when_the_hook_compiles_again_every_step():
+    # every step compiles the hook again, up to dynamo's limit; then the eager engine runs the
+    # rest, and the warning says which value kept changing (not only dynamo's "hard failure")
+    case = mlp_case(epochs=2, trainer_cls=ScalesByStep)
+    eager = run(case, "eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = run(case, "compiled", AOT)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("fasttrain:")]
+    assert compiled.trainer.active_engine == "eager"
+    assert len(ours) == 1, ours  # the evaluation, which compiled once, stays compiled
+    assert "recompile_limit" in ours[0] and "step_count ==" in ours[0] and "test_engine_step_values.py" in ours[0], ours
+    assert "keep such values out of the compiled hooks" in ours[0]
+    assert compiled.trainer._engine.active_eval_engine == "compiled"
+    assert_runs_match(eager, compiled)
