@@ -152,6 +152,8 @@ def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
             "The checkpoint holds an optimizer state but the trainer has no optimizer; pass "
             "one to the Trainer or call load_checkpoint(..., load_optimizer=False)."
         )
+    if load_optimizer:
+        _check_parameter_groups(checkpoint_path, checkpoint["optimizer_state_dict"], trainer.optimizer)
     if sharded:
         # a whole state, whichever number of processes wrote it: process 0's values are
         # broadcast and every process keeps its shards
@@ -170,6 +172,24 @@ def load_checkpoint(trainer, checkpoint_path, load_optimizer, load_scheduler):
             )
         trainer.scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
     return checkpoint
+
+
+def _check_parameter_groups(checkpoint_path, optimizer_state: dict, optimizer) -> None:
+    # torch refuses another group layout too, but only after the model's weights were loaded,
+    # and without saying why a layout changes: a checkpoint saved while layers were frozen holds
+    # fewer groups than the optimizer has once unfreezing added theirs
+    saved = [len(group["params"]) for group in optimizer_state.get("param_groups", [])]
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    if saved == current:
+        return
+    raise ValueError(
+        f"The optimizer state in {checkpoint_path} has {len(saved)} parameter group(s) of "
+        f"{saved} parameters; the trainer's optimizer has {len(current)} of {current}. Groups "
+        "added after the checkpoint was saved (unfreezing layers adds them) cannot take its state: "
+        "call load_checkpoint(..., load_optimizer=False) to load the model's weights alone, and "
+        "use SaveBestModelCallback(save_optimizer=False) when the optimizer's groups change "
+        "during training."
+    )
 
 
 # ------------------------------------------------------------------------------- training state

@@ -164,3 +164,36 @@ def test_layer_group_indices_are_positive_and_negative():
     freezer = ModelFreezer(Net())
     assert [g.layer_group_idx for g in freezer.get_layer_groups()] == [(0, -4), (1, -3), (2, -2), (3, -1)]
     assert freezer.num_groups == 4
+
+
+def test_loading_a_checkpoint_saved_before_unfreezing_says_what_to_change(tmp_path):
+    """A checkpoint saved while the body was frozen (SaveBestModelCallback's best epoch) holds
+    one optimizer group; after unfreezing added groups, loading its optimizer state cannot work.
+    The error says why and what to pass, and loads nothing: the model keeps its weights."""
+    from torch.utils.data import TensorDataset
+
+    from fasttrain import Trainer
+
+    torch.manual_seed(0)
+    model = Net()
+    freezer = ModelFreezer(model)
+    freezer.freeze()
+    optimizer = torch.optim.SGD(freezer.get_trainable_parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(model, nn.functional.cross_entropy, optimizer, callbacks=())
+    data = TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    trainer.train(data, 1, per_device_batch_size=8, train_dataloader_kwargs={"num_workers": 0})
+    path = tmp_path / "best.pt"
+    trainer.save_checkpoint(path)
+    for group in freezer.unfreeze().values():
+        trainer.optimizer.add_param_group(group)
+    trainer.train(data, 1, per_device_batch_size=8, train_dataloader_kwargs={"num_workers": 0})
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    with pytest.raises(ValueError, match=r"1 parameter group.*has 4") as raised:
+        trainer.load_checkpoint(path)
+    assert "load_optimizer=False" in str(raised.value) and "save_optimizer=False" in str(raised.value)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name  # nothing half-loaded
+
+    trainer.load_checkpoint(path, load_optimizer=False)  # the weights alone load
+    assert not torch.equal(model.output.weight, weights["output.weight"])

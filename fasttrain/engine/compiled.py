@@ -40,7 +40,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -371,7 +371,8 @@ class CompiledEngine(StepEngine):
         return engine
 
     def _fall_back_train(
-        self, hook: Optional[str], reason: str, engine_cls=EagerEngine, warn: bool = True, redo: bool = True
+        self, hook: Optional[str], reason: str, engine_cls=EagerEngine, warn: bool = True, redo: bool = True,
+        advice: str = "",
     ) -> None:
         if engine_cls is EagerEngine and self._hparams is not None:
             # The eager engine steps with plain floats (SGD reads a tensor learning rate on the
@@ -380,10 +381,11 @@ class CompiledEngine(StepEngine):
         self._hparams = None
         self._train_fallback = self._make_fallback(engine_cls)
         if warn:
-            self._warn(hook, reason, self._train_fallback, redo=redo)
+            self._warn(hook, reason, self._train_fallback, redo=redo, advice=advice)
 
     def _fall_back_eval(
-        self, hook: Optional[str], reason: str, engine_cls=EagerEngine, warn: bool = True, redo: bool = True
+        self, hook: Optional[str], reason: str, engine_cls=EagerEngine, warn: bool = True, redo: bool = True,
+        advice: str = "",
     ) -> None:
         train_fallback = self._train_fallback
         if train_fallback is not None and isinstance(train_fallback, engine_cls):
@@ -391,10 +393,11 @@ class CompiledEngine(StepEngine):
         else:
             self._eval_fallback = self._make_fallback(engine_cls)
         if warn:
-            self._warn(hook, reason, self._eval_fallback, phase="evaluation", redo=redo)
+            self._warn(hook, reason, self._eval_fallback, phase="evaluation", redo=redo, advice=advice)
 
     def _warn(
-        self, hook: Optional[str], reason: str, fallback: StepEngine, phase: str = "training", redo: bool = True
+        self, hook: Optional[str], reason: str, fallback: StepEngine, phase: str = "training", redo: bool = True,
+        advice: str = "",
     ) -> None:
         target = getattr(fallback, "active_engine", fallback.name)
         where = f"the {hook!r} hook cannot run in the {self.name!r} engine" if hook else (
@@ -403,7 +406,7 @@ class CompiledEngine(StepEngine):
         redone = "; the step that failed was undone and runs there once" if redo else ""
         warnings.warn(
             f"fasttrain: {where} ({reason}); {phase} falls back to the {target!r} engine for "
-            f"the rest of this run{redone}.",
+            f"the rest of this run{redone}." + (f" {advice}" if advice else ""),
             RuntimeWarning,
             stacklevel=4,
         )
@@ -479,7 +482,8 @@ class CompiledEngine(StepEngine):
             if self._train_fallback is None:
                 self._warn_breaks(TRAIN_HOOK, error)
             return batch_output
-        self._fall_back_train(self._hook, describe_error(error), EagerEngine)
+        reason, advice = self._describe_failure(error)
+        self._fall_back_train(self._hook, reason, EagerEngine, advice=advice)
         return self.train_step(batch, update)
 
     def _warn_breaks(self, hook: str, error: BaseException) -> None:
@@ -523,6 +527,19 @@ class CompiledEngine(StepEngine):
             self._limit_hit(training=True)
         return batch_output
 
+    def _describe_failure(self, error: BaseException) -> Tuple[str, str]:
+        """``(reason, advice)`` for a forward hook that failed.
+
+        A forward traced whole (fullgraph) meets the recompile limit as an exception whose text
+        blames fullgraph; dynamo's log of the hit says which guard failed. Taking the hit here
+        also keeps the other phase from reading it as its own after its next step."""
+        if recompile_limit.is_limit_failure(error):
+            hits = recompile_limit.new_hits(self._hits_seen)
+            self._hits_seen = recompile_limit.hit_count()
+            if hits:
+                return hits[-1], recompile_limit.what_to_change(hits[-1])
+        return describe_error(error), ""
+
     def _limit_hit(self, training: bool) -> None:
         # Dynamo now runs some function of this step uncompiled, silently: the step that just ran
         # is correct, but the next ones would be part eager (with the tensor hyperparameters of a
@@ -530,10 +547,11 @@ class CompiledEngine(StepEngine):
         hits = recompile_limit.new_hits(self._hits_seen)
         self._hits_seen = recompile_limit.hit_count()
         reason = f"{hits[0]}; it runs that function uncompiled from now on"
+        advice = recompile_limit.what_to_change(hits[0])
         if training:
-            self._fall_back_train(None, reason, EagerEngine, redo=False)
+            self._fall_back_train(None, reason, EagerEngine, redo=False, advice=advice)
         else:
-            self._fall_back_eval(None, reason, EagerEngine, redo=False)
+            self._fall_back_eval(None, reason, EagerEngine, redo=False, advice=advice)
 
     def _compiled_update(self) -> None:
         trainer = self.trainer
@@ -597,7 +615,8 @@ class CompiledEngine(StepEngine):
                 if self._eval_fallback is None:
                     self._warn_breaks(EVAL_HOOK, error)
                 return batch_output
-            self._fall_back_eval(EVAL_HOOK, describe_error(error), EagerEngine)
+            reason, advice = self._describe_failure(error)
+            self._fall_back_eval(EVAL_HOOK, reason, EagerEngine, advice=advice)
             return self.eval_step(batch)
         if recompile_limit.hit_count() != self._hits_seen:
             self._limit_hit(training=False)

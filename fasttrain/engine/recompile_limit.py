@@ -19,7 +19,10 @@ Two measures:
   optimizer), so the limit still catches a real recompile loop within one trainer.
 
 And no fallback goes unseen: a filter on dynamo's logger notes every "hit config.recompile_limit"
-message, and the engines turn it into one warning naming the function (:func:`new_hits`).
+message, and the engines turn it into one warning naming the function, dynamo's last reason to
+recompile it and what to change (:func:`new_hits`). The two causes met in training scripts:
+batches whose shape changes from step to step (text padded to each batch's longest sample) and a
+hook that changes a Python number on every call (a counter in ``optimizer_step``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class _LimitHits(logging.Filter):
             # (limit name, its value, "'function' (file:line)", last recompile reason)
             if len(args) >= 3:
                 what = f"dynamo hit {args[0]}={args[1]} for {args[2]}"
+                if len(args) >= 4 and args[3]:
+                    what += f", last recompiled because {_short_reason(str(args[3]))}"
             else:
                 what = record.getMessage().splitlines()[0]
             with self._lock:
@@ -58,6 +63,39 @@ class _LimitHits(logging.Filter):
 
 
 HITS = _LimitHits()
+
+
+def _short_reason(reason: str) -> str:
+    # "0/7: tensor 'batch['input_ids']' size mismatch at index 1. expected 10, actual 11", or
+    # "2/7: self.count == 7  # self.count += 1  # file.py:12 in hook": the guard, without the
+    # frame/entry numbers and the source comment dynamo appends
+    reason = reason.split("  #", 1)[0].strip()
+    head, _, rest = reason.partition(": ")
+    return rest if rest and head.replace("/", "").isdigit() else reason
+
+
+def what_to_change(hit: str) -> str:
+    """What to change, for a hit noted by :data:`HITS` (it holds dynamo's last reason)."""
+    reason = hit.partition(", last recompiled because ")[2]
+    if "size mismatch" in reason or "stride mismatch" in reason:
+        return (
+            "The batches change shape from step to step and each shape compiles anew: pad them to "
+            "one length (or to a few, with a multiple), or pass compile_options={'dynamic': None} "
+            "to compile graphs that take any size."
+        )
+    if "==" in reason or "!=" in reason:
+        return (
+            "A hook reads a Python value that changes at every call, and each value compiles "
+            "anew: keep counters and other per-step state out of the compiled hooks (in a callback, "
+            "or in scheduler_step, which runs eagerly), or train with engine='eager'."
+        )
+    return 'TORCH_LOGS="recompiles" lists each recompile and its reason.'
+
+
+def is_limit_failure(error: BaseException) -> bool:
+    """Whether ``error`` is dynamo refusing to compile a function past the limit (it raises
+    this instead of running the function uncompiled when the compile asked for ``fullgraph``)."""
+    return isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
 def install() -> None:
