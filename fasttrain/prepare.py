@@ -284,8 +284,10 @@ def set_up_training(
         # without a length has no meaningful length either
         validation.dataloader_not_empty(trainer._train_dataloader, "train", per_device_batch_size)
     trainer._check_eval_batch_size()
+    # a subclass's own _clip_gradients replaces the clipping by value (Trainer._own_clipping)
+    own_clipping = trainer._clip_for_update() == trainer._own_clipping
     trainer._clipper = GradientClipper(
-        trainer.model.parameters(), clip_value=gradient_clip_value, clip_norm=gradient_clip_norm
+        trainer.model.parameters(), clip_value=None if own_clipping else gradient_clip_value, clip_norm=gradient_clip_norm
     )
     trainer.scheduler = trainer.create_scheduler() if trainer.create_scheduler_fn is not None else None
     # gradients of a window left open by a run that stopped mid-window must not reach this

@@ -549,7 +549,23 @@ class Trainer(ForwardBackwardHelper):
     def _clip_for_update(self):
         """The callable that clips the gradients once per update (a subclass may add steps
         around the clipping); the step context hands it to the engine."""
+        if overrides_clip_gradients(self):
+            return self._own_clipping
         return self._update_clip
+
+    def _clip_gradients(self):
+        """pytorch-accelerated's place for how gradients are clipped: called once per update,
+        before :meth:`optimizer_step`, where ``gradient_clip_value`` is set. A subclass that
+        overrides it clips its own way (by norm, say) instead of fasttrain's fused clipping by
+        value; this default clips by value as that does."""
+        self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=self.run_config.gradient_clip_value)
+
+    def _own_clipping(self):
+        # a subclass's _clip_gradients takes the place of the clipping by value (the clipper is
+        # built without it, prepare.py); the norm clipping and the non-finite check still follow
+        if self.run_config.gradient_clip_value is not None:
+            self._clip_gradients()
+        return self._update_clip()
 
     def _scale_loss(self, loss, batch_output: dict):
         # the scaling of the engines, for pytorch-accelerated's _perform_forward_and_backward_passes
@@ -623,3 +639,8 @@ class TrainerWithTimmScheduler(Trainer):
         self.num_updates += 1
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self.num_updates)
+
+
+def overrides_clip_gradients(trainer) -> bool:
+    """Whether ``trainer``'s class overrides :meth:`Trainer._clip_gradients`."""
+    return type(trainer)._clip_gradients is not Trainer._clip_gradients

@@ -463,3 +463,33 @@ def weights_close(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], rtol=1
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
+
+
+def script_own_clipping(lib: Lib, max_norm: float = 0.05, **trainer_kwargs) -> Outcome:
+    """A subclass's ``_clip_gradients`` clipping by norm instead of the default by value (the
+    original calls it wherever ``gradient_clip_value`` is set); no accumulation, so the original's
+    call per micro-step is one per update."""
+    base = recording_trainer_class(lib)
+
+    class ClipsByNorm(base):
+        def __init__(self, *args, **kwargs):
+            self.clip_calls = 0
+            super().__init__(*args, **kwargs)
+
+        def _clip_gradients(self):
+            self.clip_calls += 1
+            self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    model = make_model()
+    recorder = make_recorder(lib)
+    trainer = ClipsByNorm(
+        model=model,
+        loss_func=nn.MSELoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        callbacks=(*lib.callbacks.get_default_callbacks(progress_bar=False), recorder),
+        **lib.trainer_kwargs,
+        **trainer_kwargs,
+    )
+    trainer.recorder = recorder
+    trainer.train(**train_kwargs(gradient_clip_value=1.0))
+    return outcome(trainer, clip_calls=trainer.clip_calls)

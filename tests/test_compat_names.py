@@ -87,7 +87,7 @@ def test_public_name_resolves_in_fasttrain(module_name, name, original):
 TRAINER_SEAMS = (
     "_create_accelerator", "_create_callback_handler", "_perform_forward_and_backward_passes",
     "_prepare_model_optimizer_and_dataloaders", "_create_run_config", "_check_eval_batch_size",
-    "_run_training", "_run_evaluation", "_run_train_epoch", "_run_eval_epoch",
+    "_run_training", "_run_evaluation", "_run_train_epoch", "_run_eval_epoch", "_clip_gradients",
 )
 EXTENSION_POINTS = {
     "LogMetricsCallback": ("_log_latest_metrics", "_get_latest_metrics"),

@@ -351,3 +351,17 @@ def test_trainer_subclass_keeping_its_own_num_updates_matches(original, ours, ma
     expected = [7 * e + i for e in (1, 2, 3) for i in range(1, 8)]
     assert updates == (expected if max_steps is None else expected[:max_steps])
     assert [n for kind, n in b.extra["calls"] if kind == "step"] == ([2, 3, 4] if max_steps is None else [2, 3])
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_a_subclass_clipping_in_its_own_clip_gradients_matches(original, ours, engine):
+    # the original's seam for how gradients are clipped: fasttrain calls it once per update
+    a = ds.script_own_clipping(original)
+    b = ds.script_own_clipping(ours, engine=engine, compile_options={"backend": "aot_eager"} if engine == "compiled" else None)
+    assert b.extra["clip_calls"] == a.extra["clip_calls"] == a.extra["num_optimizer_steps"] == 21
+    if engine == "eager":
+        assert_same_run(a, b)
+    else:
+        ds.weights_close(a.weights, b.weights)
+    by_value = ds.script_clip_value(ours, clip=1.0)  # what the default clipping gives
+    assert not torch.allclose(by_value.weights["head.weight"], b.weights["head.weight"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import threading
 import weakref
 from typing import List
@@ -69,9 +70,14 @@ def _short_reason(reason: str) -> str:
     # "0/7: tensor 'batch['input_ids']' size mismatch at index 1. expected 10, actual 11", or
     # "2/7: self.count == 7  # self.count += 1  # file.py:12 in hook": the guard, without the
     # frame/entry numbers and the source comment dynamo appends
-    reason = reason.split("  #", 1)[0].strip()
+    lines = reason.strip().splitlines()  # dynamo may follow it with the user's stack
+    parts = [part.strip() for part in (lines[0] if lines else "").split("  #")]
+    reason = " ".join(parts[0].split())
     head, _, rest = reason.partition(": ")
-    return rest if rest and head.replace("/", "").isdigit() else reason
+    guard = rest if rest and head.replace("/", "").isdigit() else reason
+    # the last comment names the user's line that read the value ("file.py:12 in hook")
+    where = parts[-1] if len(parts) > 1 and re.search(r":\d+ in \w", parts[-1]) else ""
+    return f"{guard} (at {where})" if where else guard
 
 
 def what_to_change(hit: str) -> str:
