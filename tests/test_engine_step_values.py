@@ -70,3 +70,32 @@ def test_the_compiled_engine_names_the_guard_when_the_hook_compiles_again_every_
     assert "keep counters and other per-step state out of the compiled hooks" in ours[0], ours
     assert compiled.trainer._engine.active_eval_engine == "compiled"
     assert_runs_match(eager, compiled)
+
+
+def test_only_compiles_for_the_hooks_values_count_as_a_changed_step(monkeypatch):
+    # a capture context whose global state differed from the warm-up's would differ at every
+    # capture: such compiles do not drop the graph; a guard on a value, or a first compile, does
+    import torch
+
+    from fasttrain.engine import compile_events
+
+    compiles, failures = [0], {}
+    monkeypatch.setattr(compile_events, "compiles_so_far", lambda: compiles[0])
+    monkeypatch.setattr(torch._dynamo.utils, "guard_failures", failures)
+    code = (lambda: None).__code__
+
+    def after(compiled, *reasons):
+        mark = compile_events.CompileMark()
+        compiles[0] += compiled
+        failures.setdefault(code, []).extend(reasons)
+        return mark.saw_changed_values()
+
+    assert after(0) is False
+    assert after(1) is True  # a frame compiled for the first time: a branch not taken before
+    assert after(1, "0/1: ___check_global_state() against {'grad_mode': True}") is False
+    assert after(1, "0/1: GLOBAL_STATE changed: grad_mode") is False
+    assert after(1, "0/2: L['self'].step_count == 4", "0/2: GLOBAL_STATE changed: grad_mode") is True
+    mark = compile_events.CompileMark()
+    compiles[0] += 1
+    failures[code].append("0/3:   ctx.trainer.step_count == 5     # loss * step  # hooks.py:3 in f")
+    assert mark.guard_failures() == [("<lambda>", "0/3: ctx.trainer.step_count == 5 # loss * step # hooks.py:3 in f")]

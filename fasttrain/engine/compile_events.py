@@ -61,6 +61,24 @@ class CompileMark:
         return found
 
 
+    def saw_changed_values(self) -> bool:
+        """Whether what compiled since the mark says the step's Python now reads other values
+        than before: a frame compiled again for a guard on a value or object the hooks read, or
+        compiled for the first time (a branch the warm-up did not take). Compiles for dynamo's
+        global state alone (grad mode, autocast, the torch function mode stack) say nothing of
+        the hooks' values: a capture context that differs there from the warm-up's would differ
+        the same way at every capture."""
+        if not self.compiled():
+            return False
+        failures = self.guard_failures()
+        return not failures or any(not _is_global_state(text) for _, text in failures)
+
+
+def _is_global_state(guard: str) -> bool:
+    lowered = guard.lower()
+    return "global_state" in lowered or "global state" in lowered or "torch_function_mode_stack" in lowered
+
+
 def stale_capture_reason(mark: CompileMark) -> str:
     """Why a step that compiled while it was captured is not kept as a graph (for a warning)."""
     failures = mark.guard_failures()

@@ -100,7 +100,7 @@ def _is_stale(error: BaseException, compiles: CompileMark) -> bool:
     # compiled during capture: refused for that, or failed for it on a device (a compile may run
     # device work a capture does not allow); a refusal for another reason keeps that reason
     return isinstance(error, _StaleCapture) or (
-        compiles.compiled() > 0 and not isinstance(error, (_CaptureRefused, ValueError))
+        compiles.saw_changed_values() and not isinstance(error, (_CaptureRefused, ValueError))
     )
 
 
@@ -384,7 +384,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
                     "a hook replaced or removed gradient tensors during capture; call "
                     "zero_grad(set_to_none=False) in optimizer_zero_grad"
                 )
-            if compiles.compiled():
+            if compiles.saw_changed_values():
                 # the warm-up compiled everything a capture runs, unless the step's Python reads a
                 # value that changed since (compile_events.py): that value would replay for good
                 raise _StaleCapture(stale_capture_reason(compiles))
@@ -625,7 +625,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         try:
             graph, batch_output = self._capture(body)
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
-            if compiles.compiled():
+            if compiles.saw_changed_values():
                 raise _StaleCapture(stale_capture_reason(compiles))  # as in training
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             effects.discard(mark)
