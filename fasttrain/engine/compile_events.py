@@ -17,7 +17,7 @@ failed is in ``guard_failures``, per code object, in dynamo's words.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -89,3 +89,49 @@ def stale_capture_reason(mark: CompileMark) -> str:
         "values such as step counters or the batch index out of the compiled hooks (log them from "
         "a callback), or pass them as tensors"
     )
+
+
+class StaleCapture(RuntimeError):
+    """Raised by the graphed engine after a capture during which the hooks compiled again."""
+
+
+def is_stale(error: BaseException, mark: CompileMark, refusals: type) -> bool:
+    """Whether a capture that failed with ``error`` failed for what compiled during it: refused
+    for that, or, on a device, failed because of it (a compile may run device work a capture does
+    not allow). A refusal for another reason (``refusals``, or a ``ValueError`` from the step's
+    Python effects) keeps that reason."""
+    return isinstance(error, StaleCapture) or (
+        mark.saw_changed_values() and not isinstance(error, (refusals, ValueError))
+    )
+
+
+def compiling_hook(mark: CompileMark, running: Optional[str]) -> Optional[str]:
+    """The trainer hook whose compiled function failed a guard since ``mark``, for a warning;
+    else ``running``, the hook the engine was in."""
+    names = {name for name, _ in mark.guard_failures()}
+    for code_name, hook in (("_train_forward", "calculate_train_batch_loss"), ("_update", "optimizer_step")):
+        if code_name in names:
+            return hook
+    return running
+
+
+class StaleCaptures:
+    """Per graph (phase, last batch, update), the captures in a row that compiled again.
+
+    One such capture is a value that changed once since the warm-up (Lightning's stage from the
+    sanity check to validation, a model swapped in for a step, an optimizer state created anew):
+    the step runs as one more warm-up step and the next one is captured. The second in a row
+    (:data:`MAX_IN_A_ROW`) is a value that changes every step: the phase runs compiled."""
+
+    MAX_IN_A_ROW = 2
+
+    def __init__(self) -> None:
+        self._in_a_row: Dict[tuple, int] = {}
+
+    def capture_again_later(self, graph: tuple) -> bool:
+        """Note a dropped capture of ``graph``; whether to warm up once more and capture again."""
+        self._in_a_row[graph] = self._in_a_row.get(graph, 0) + 1
+        return self._in_a_row[graph] < self.MAX_IN_A_ROW
+
+    def kept(self, graph: tuple) -> None:
+        self._in_a_row[graph] = 0

@@ -53,7 +53,14 @@ from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, 
 from fasttrain.engine.graph_grads import GradientKeeper
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
 from fasttrain.engine.long_lived import LongLivedTensors
-from fasttrain.engine.compile_events import CompileMark, stale_capture_reason
+from fasttrain.engine.compile_events import (
+    CompileMark,
+    StaleCapture,
+    StaleCaptures,
+    compiling_hook,
+    is_stale,
+    stale_capture_reason,
+)
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
 from fasttrain.kernels import hold_chunk_tables
@@ -70,11 +77,6 @@ MAX_RECAPTURES = 3
 #: batch shapes other than the captured one (the last, partial batch of the training and of the
 #: evaluation epoch, captured as graphs of their own) before shapes count as dynamic
 MAX_OFF_GRAPH_SHAPES = 1
-#: captures of one graph in a row dropped because something compiled during them
-#: (compile_events.py) before its phase runs compiled: one is a value that changed once since
-#: the warm-up (the stage from Lightning's sanity check to validation, a model swapped in for a
-#: step), the second in a row a value that changes every step
-MAX_STALE_CAPTURES = 2
 #: runs of the partial batch's shape before it is captured: its first run compiles it
 WARM_RUNS_OF_THE_LAST_SHAPE = 1
 
@@ -96,20 +98,8 @@ OVERLAPPING_BATCH_REASON = (
 )
 
 
-def _is_stale(error: BaseException, compiles: CompileMark) -> bool:
-    # compiled during capture: refused for that, or failed for it on a device (a compile may run
-    # device work a capture does not allow); a refusal for another reason keeps that reason
-    return isinstance(error, _StaleCapture) or (
-        compiles.saw_changed_values() and not isinstance(error, (_CaptureRefused, ValueError))
-    )
-
-
 class _CaptureRefused(RuntimeError):
     """Raised when a captured step would not replay correctly."""
-
-
-class _StaleCapture(_CaptureRefused):
-    """Something compiled while the step was captured (compile_events.py)."""
 
 
 class CudaGraphEngine(DeviceCapture, CompiledEngine):
@@ -151,8 +141,8 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._eval_graphed_model = None
         self._last_trainable = ()
         self._recaptures = 0
-        #: per graph (phase, last batch, update), the captures in a row that compiled
-        self._stale_captures = Counter()
+        #: per graph, the captures in a row during which the hooks compiled again
+        self._stale = StaleCaptures()
 
     # ------------------------------------------------------------------ setup
     def _device_reason(self) -> Optional[str]:
@@ -387,20 +377,20 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             if compiles.saw_changed_values():
                 # the warm-up compiled everything a capture runs, unless the step's Python reads a
                 # value that changed since (compile_events.py): that value would replay for good
-                raise _StaleCapture(stale_capture_reason(compiles))
+                raise StaleCapture(stale_capture_reason(compiles))
         except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
                 raise
             references.restore()
             self._drop_graphs()
-            stale = _is_stale(error, compiles)
-            if stale and self._capture_again_later(("train", last, update)):
+            stale = is_stale(error, compiles, _CaptureRefused)
+            if stale and self._stale.capture_again_later(("train", last, update)):
                 return self._warmup_step(batch, update, signature)
             reason = stale_capture_reason(compiles) if stale else describe_error(error)
-            self._fall_back_train(self._compiling_hook(compiles) if stale else self._hook, reason, CompiledEngine)
+            self._fall_back_train(compiling_hook(compiles, self._hook) if stale else self._hook, reason, CompiledEngine)
             return self.train_step(batch, update)
-        self._stale_captures[("train", last, update)] = 0
+        self._stale.kept(("train", last, update))
         self._grads.remember(params)  # the tensors this graph writes into
         captured = graphs[update] = CapturedStep(
             graph, batch_output, norm, self._train_ring, tables, keep_model_outputs=self.ctx.keeps_model_outputs("train")
@@ -411,21 +401,6 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         captured.record = CaptureRecord(self.trainer.model, optimizer)
         self._graphed_model = self.trainer.model
         return self._replay(captured, batch, update)
-
-    def _capture_again_later(self, graph: tuple) -> bool:
-        # A dropped capture that compiled saw Python state the warm-up had not: the step runs as a
-        # warm-up step (now compiled for that state) and the next one is captured, unless the
-        # last capture of this graph compiled too, so that the state changes from step to step.
-        self._stale_captures[graph] += 1
-        return self._stale_captures[graph] < MAX_STALE_CAPTURES
-
-    def _compiling_hook(self, compiles: CompileMark) -> Optional[str]:
-        # the hook whose compiled function failed a guard, for the warning; else the one running
-        names = {name for name, _ in compiles.guard_failures()}
-        for code_name, hook in (("_train_forward", "calculate_train_batch_loss"), ("_update", "optimizer_step")):
-            if code_name in names:
-                return hook
-        return self._hook
 
     def _train_body(self, batch, update: bool, zero_grad):
         trainer = self.trainer
@@ -626,20 +601,20 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             graph, batch_output = self._capture(body)
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
             if compiles.saw_changed_values():
-                raise _StaleCapture(stale_capture_reason(compiles))  # as in training
+                raise StaleCapture(stale_capture_reason(compiles))  # as in training
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
                 raise
             self._drop_eval_graphs()
-            stale = _is_stale(error, compiles)
-            if stale and self._capture_again_later(("eval", last, False)):
+            stale = is_stale(error, compiles, _CaptureRefused)
+            if stale and self._stale.capture_again_later(("eval", last, False)):
                 with self._on_side_stream():
                     return super().eval_step(batch)  # a warm-up step; the next one captures
             reason = stale_capture_reason(compiles) if stale else describe_error(error)
             self._fall_back_eval(self._hook, reason, CompiledEngine)
             return self.eval_step(batch)
-        self._stale_captures[("eval", last, False)] = 0
+        self._stale.kept(("eval", last, False))
         captured = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
         captured.effects = taken
         del batch_output  # what the step keeps is in the CapturedStep
