@@ -14,11 +14,22 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
+import torch
+
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 
 from engine_cases import assert_runs_match, mlp_case, run
 from test_engine_graph_logic import AOT, host_graphs  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def dynamos_own_limits():
+    # dynamo's own recompile limits: without isolation (torch before 2.12) every trainer of the
+    # earlier tests in the process raised them (fasttrain.engine.recompile_limit)
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        yield
 
 
 class CountSteps(TrainerCallback):
@@ -75,8 +86,6 @@ def test_the_compiled_engine_names_the_guard_when_the_hook_compiles_again_every_
 def test_only_compiles_for_the_hooks_values_count_as_a_changed_step(monkeypatch):
     # a capture context whose global state differed from the warm-up's would differ at every
     # capture: such compiles do not drop the graph; a guard on a value, or a first compile, does
-    import torch
-
     from fasttrain.engine import compile_events
 
     compiles, failures = [0], {}
