@@ -124,3 +124,31 @@ def test_cudagraph_engine_on_cuda_matches_lightning():
     assert ft.global_step == lt.global_step == 12
     assert_same_weights(lm.cpu(), fm.cpu(), atol=1e-5)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-4)
+
+
+class HalvesEveryStep(Classifier):
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_the_learning_rate_monitor_keeps_each_steps_rate_on_the_compiled_engine(tmp_path):
+    # the compiled engine's learning rate is a tensor written in place: the monitor's list would
+    # hold that one tensor at every entry, all showing the last rate
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    kept = {}
+    for name, trainer_cls, extra in (("lightning", L.Trainer, {}),
+                                     ("fasttrain", Trainer, dict(engine="compiled", compile_options={"backend": "aot_eager"}))):
+        monitor = LearningRateMonitor(logging_interval="step")
+        kwargs = dict(QUIET, logger=CSVLogger(tmp_path / name), log_every_n_steps=1, callbacks=[monitor])
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer_cls(max_epochs=1, **kwargs, **extra).fit(HalvesEveryStep(), train_loader())
+        kept[name] = monitor.lrs["lr-Adam"]
+    assert all(type(value) is float for value in kept["fasttrain"]), kept
+    assert kept["fasttrain"] == pytest.approx(kept["lightning"], rel=1e-6)
+    assert kept["lightning"][:3] == [0.01, 0.005, 0.0025]
