@@ -152,3 +152,51 @@ def test_the_learning_rate_monitor_keeps_each_steps_rate_on_the_compiled_engine(
     assert all(type(value) is float for value in kept["fasttrain"]), kept
     assert kept["fasttrain"] == pytest.approx(kept["lightning"], rel=1e-6)
     assert kept["lightning"][:3] == [0.01, 0.005, 0.0025]
+
+
+class UpdatesAMetric(Classifier):
+    """A torchmetrics metric called in the training and validation steps, as Lightning's
+    documentation shows: its Python counters change at every call."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc = MulticlassAccuracy(num_classes=3)
+        self.val_acc = MulticlassAccuracy(num_classes=3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_acc.update(self(x), y)
+        self.log("val_acc", self.val_acc)
+
+
+def test_a_metric_called_in_the_steps_runs_outside_the_graphs_and_the_steps_stay_compiled():
+    # traced into the step, the metric's counters compiled it again at every batch until
+    # dynamo's limit (8): twelve batches an epoch passed it, and the rest of the fit ran eagerly
+    pytest.importorskip("torchmetrics")
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        lt, lm, ft, fm = fit_both(
+            UpdatesAMetric, lambda: loader(classification_data(n=96), batch_size=8), val_factory=val_loader,
+            trainer_kwargs=dict(max_epochs=3), fasttrain_kwargs=dict(engine="compiled", compile_options={"backend": "aot_eager"}),
+        )
+    assert ft.engine == "compiled" and ft._runner._engine.active_eval_engine == "compiled"
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-6)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-6)
+    # the wrappers are gone after the fit: the metrics are the user's as they were
+    assert "forward" not in fm.train_acc.__dict__ and not hasattr(fm.train_acc.update, "_torchdynamo_disable")
+    # the graph breaks at the metric calls are fasttrain's own: no warning about them
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(max_epochs=1, engine="compiled", compile_options={"backend": "aot_eager"}, **QUIET)
+        trainer.fit(UpdatesAMetric(), train_loader(), val_loader())
+    assert not [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert trainer.engine == "compiled" and trainer._runner.compile_options == {"backend": "aot_eager"}

@@ -38,6 +38,7 @@ from fasttrain.lightning.hooks import (
 from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.lr_monitor import monitors_keep_values
+from fasttrain.lightning.metric_calls import metric_calls_outside_graphs
 from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks, profiling, timed
 from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import handle_errors, teardown
@@ -352,6 +353,10 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
         if lt._args.enable_model_summary and lt.is_global_zero:
             print(summarize(module))
         train_loader = lt._train_loader
+        with metric_calls_outside_graphs(module, runner):
+            _train(train_loader)
+
+    def _train(train_loader):
         runner.train(
             train_loader,
             num_epochs=max(lt.max_epochs, 1),
@@ -439,10 +444,11 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
         lt._val_loaders = loaders
     _restore_weights(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
-    runner.prepare_for_evaluation(plain_loader(loaders[0]))
-    if runner.run_config.is_distributed:
-        loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
-    logged = run_evaluation(lt, runner, stage)
+    with metric_calls_outside_graphs(lt.lightning_module, runner):
+        runner.prepare_for_evaluation(plain_loader(loaders[0]))
+        if runner.run_config.is_distributed:
+            loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
+        logged = run_evaluation(lt, runner, stage)
     lt.strategy.teardown()
     teardown(lt, fn)
     return logged
