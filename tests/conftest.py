@@ -44,6 +44,15 @@ def exact_cuda():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def dynamos_own_limits():
+    """dynamo's own recompile limits while the test runs: without isolation (torch before 2.12)
+    every trainer of the earlier tests in the process raised them (fasttrain.engine.recompile_limit),
+    so a test that must meet the limit would not."""
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        yield
+
+
 @pytest.fixture(scope="module")
 def original():
     """pytorch-accelerated, as a :class:`differential_scripts.Lib` (the differential tests)."""

@@ -36,14 +36,9 @@ def _train(i, callbacks=(), engine="compiled"):
 
 
 @pytest.fixture
-def fresh_dynamo():
+def fresh_dynamo(dynamos_own_limits):
     torch._dynamo.reset()
-    config = torch._dynamo.config
-    # each test starts from dynamo's own limits: without isolation (torch before 2.12) every
-    # trainer of the earlier tests raised them (fasttrain.engine.recompile_limit); torch's patch
-    # puts the values back when the test ends
-    with config.patch(recompile_limit=8, accumulated_recompile_limit=256):
-        yield
+    yield
     torch._dynamo.reset()
 
 

@@ -24,12 +24,7 @@ from engine_cases import assert_runs_match, mlp_case, run
 from test_engine_graph_logic import AOT, host_graphs  # noqa: F401
 
 
-@pytest.fixture(autouse=True)
-def dynamos_own_limits():
-    # dynamo's own recompile limits: without isolation (torch before 2.12) every trainer of the
-    # earlier tests in the process raised them (fasttrain.engine.recompile_limit)
-    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
-        yield
+pytestmark = pytest.mark.usefixtures("dynamos_own_limits")
 
 
 class CountSteps(TrainerCallback):

@@ -17,6 +17,7 @@ import torch._dynamo  # noqa: E402
 
 from fasttrain.engine.compile_events import compiles_so_far  # noqa: E402
 from fasttrain.lightning import Trainer  # noqa: E402
+from test_lightning_graphed import LogsAMetric  # noqa: E402
 from lightning_modules import (  # noqa: E402
     QUIET,
     Classifier,
@@ -154,7 +155,7 @@ def test_the_learning_rate_monitor_keeps_each_steps_rate_on_the_compiled_engine(
     assert kept["lightning"][:3] == [0.01, 0.005, 0.0025]
 
 
-class UpdatesAMetric(Classifier):
+class UpdatesAMetric(LogsAMetric):
     """A torchmetrics metric called in the training and validation steps, as Lightning's
     documentation shows: its Python counters change at every call."""
 
@@ -162,15 +163,7 @@ class UpdatesAMetric(Classifier):
         super().__init__()
         from torchmetrics.classification import MulticlassAccuracy
 
-        self.train_acc = MulticlassAccuracy(num_classes=3)
         self.val_acc = MulticlassAccuracy(num_classes=3)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.train_acc(logits, y)
-        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
-        return torch.nn.functional.cross_entropy(logits, y)
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -178,21 +171,20 @@ class UpdatesAMetric(Classifier):
         self.log("val_acc", self.val_acc)
 
 
-def test_a_metric_called_in_the_steps_runs_outside_the_graphs_and_the_steps_stay_compiled():
+def test_a_metric_called_in_the_steps_runs_outside_the_graphs_and_the_steps_stay_compiled(dynamos_own_limits):
     # traced into the step, the metric's counters compiled it again at every batch until
     # dynamo's limit (8): twelve batches an epoch passed it, and the rest of the fit ran eagerly
     pytest.importorskip("torchmetrics")
-    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
-        lt, lm, ft, fm = fit_both(
-            UpdatesAMetric, lambda: loader(classification_data(n=96), batch_size=8), val_factory=val_loader,
-            trainer_kwargs=dict(max_epochs=3), fasttrain_kwargs=dict(engine="compiled", compile_options={"backend": "aot_eager"}),
-        )
+    lt, lm, ft, fm = fit_both(
+        UpdatesAMetric, lambda: loader(classification_data(n=96), batch_size=8), val_factory=val_loader,
+        trainer_kwargs=dict(max_epochs=3), fasttrain_kwargs=dict(engine="compiled", compile_options={"backend": "aot_eager"}),
+    )
     assert ft.engine == "compiled" and ft._runner._engine.active_eval_engine == "compiled"
     assert_same_weights(lm, fm, atol=1e-5)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-6)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-6)
     # the wrappers are gone after the fit: the metrics are the user's as they were
-    assert "forward" not in fm.train_acc.__dict__ and not hasattr(fm.train_acc.update, "_torchdynamo_disable")
+    assert "forward" not in fm.accuracy.__dict__ and not hasattr(fm.accuracy.update, "_torchdynamo_disable")
     # the graph breaks at the metric calls are fasttrain's own: no warning about them
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -167,13 +167,6 @@ class ReadsTheStep(Classifier):
         return loss
 
 
-@pytest.fixture
-def dynamos_own_limits():
-    # without isolation (torch before 2.12) every trainer of the earlier tests raised them
-    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
-        yield
-
-
 def test_a_step_reading_the_batch_index_and_global_step_is_not_replayed_stale(graphed_engine, dynamos_own_limits):
     lt, lm, ft, fm = fit_both(
         ReadsTheStep, train_loader, trainer_kwargs=dict(max_epochs=3),
