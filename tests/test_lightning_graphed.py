@@ -64,6 +64,12 @@ def graphed_engine(monkeypatch):
     monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
 
 
+def fit_graphed(module_cls, max_epochs):
+    """``fit_both`` with fasttrain.lightning on the graphed engine (the stand-ins of this file)."""
+    return fit_both(module_cls, train_loader, trainer_kwargs=dict(max_epochs=max_epochs),
+                    fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT))
+
+
 def _replays():
     return sum(graph.replays for graph in HostGraphEngine.graphs)
 
@@ -106,10 +112,7 @@ class LogsAMetric(Classifier):
 
 def test_a_logged_metric_keeps_the_step_off_the_graphs_with_one_warning(graphed_engine):
     pytest.importorskip("torchmetrics")
-    lt, lm, ft, fm = fit_both(
-        LogsAMetric, train_loader, trainer_kwargs=dict(max_epochs=2),
-        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
-    )
+    lt, lm, ft, fm = fit_graphed(LogsAMetric, max_epochs=2)
     assert ft.engine == "compiled"
     assert_same_weights(lm, fm, atol=1e-5)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
@@ -168,10 +171,7 @@ class ReadsTheStep(Classifier):
 
 
 def test_a_step_reading_the_batch_index_and_global_step_is_not_replayed_stale(graphed_engine, dynamos_own_limits):
-    lt, lm, ft, fm = fit_both(
-        ReadsTheStep, train_loader, trainer_kwargs=dict(max_epochs=3),
-        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
-    )
+    lt, lm, ft, fm = fit_graphed(ReadsTheStep, max_epochs=3)
     # no graph is kept: each capture compiled the step again, then so did every compiled step
     assert ft.engine == "eager"
     assert_same_weights(lm, fm, atol=1e-5)
