@@ -193,3 +193,19 @@ def test_a_zero_grad_hook_that_drops_gradients_is_captured_and_matches_eager():
     eager, graphed = _graphed_without_warnings(mlp_case(trainer_cls=ZeroGradToNone))
     assert graphed.trainer._engine._grads.cleared
     assert_runs_match(eager, graphed)
+
+
+def test_a_hook_reading_a_per_step_value_is_not_replayed_stale_on_a_device(dynamos_own_limits):
+    # a real replay runs no Python: captured with the counter's value of that step, the graph
+    # would scale every later loss alike (the CPU twin: test_engine_step_values.py)
+    from test_engine_step_values import ScalesByStep
+
+    case = mlp_case(epochs=2, trainer_cls=ScalesByStep)
+    eager = run(case, "eager", device="cuda", eval_dataset=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(case, "cudagraph", device="cuda", eval_dataset=None)
+    ours = fasttrain_warnings(caught)
+    assert graphed.trainer.active_engine != "cudagraph", ours
+    assert ours and "ctx.trainer.step_count ==" in ours[0], ours
+    assert_runs_match(eager, graphed)
