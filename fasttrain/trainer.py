@@ -549,8 +549,8 @@ class Trainer(ForwardBackwardHelper):
     def _clip_for_update(self):
         """The callable that clips the gradients once per update (a subclass may add steps
         around the clipping); the step context hands it to the engine."""
-        if overrides_clip_gradients(self):
-            return self._own_clipping
+        if type(self)._clip_gradients is not Trainer._clip_gradients:
+            return self._own_clipping  # a subclass clips its own way (pytorch-accelerated's seam)
         return self._update_clip
 
     def _clip_gradients(self):
@@ -639,8 +639,3 @@ class TrainerWithTimmScheduler(Trainer):
         self.num_updates += 1
         if self.scheduler is not None:
             self.scheduler.step_update(num_updates=self.num_updates)
-
-
-def overrides_clip_gradients(trainer) -> bool:
-    """Whether ``trainer``'s class overrides :meth:`Trainer._clip_gradients`."""
-    return type(trainer)._clip_gradients is not Trainer._clip_gradients

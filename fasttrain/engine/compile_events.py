@@ -60,7 +60,6 @@ class CompileMark:
                     found.append((getattr(code, "co_name", "?"), " ".join(lines[0].split())))
         return found
 
-
     def saw_changed_values(self) -> bool:
         """Whether what compiled since the mark says the step's Python now reads other values
         than before: a frame compiled again for a guard on a value or object the hooks read, or

@@ -46,13 +46,6 @@ from fasttrain.engine.compiled import (
     _is_control_flow,
     describe_error,
 )
-from fasttrain.engine.context import StepContext
-from fasttrain.sharding import is_fsdp2
-from fasttrain.engine.graph_capture import DeviceCapture
-from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
-from fasttrain.engine.graph_grads import GradientKeeper
-from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
-from fasttrain.engine.long_lived import LongLivedTensors
 from fasttrain.engine.compile_events import (
     CompileMark,
     StaleCapture,
@@ -61,6 +54,13 @@ from fasttrain.engine.compile_events import (
     is_stale,
     stale_capture_reason,
 )
+from fasttrain.engine.context import StepContext
+from fasttrain.sharding import is_fsdp2
+from fasttrain.engine.graph_capture import DeviceCapture
+from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
+from fasttrain.engine.graph_grads import GradientKeeper
+from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
+from fasttrain.engine.long_lived import LongLivedTensors
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
 from fasttrain.kernels import hold_chunk_tables
@@ -568,6 +568,10 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             self._release_graphs()
         if self._eval_warm[signature] >= WARMUP_STEPS_PER_SHAPE:
             return self._capture_eval(batch, signature)
+        return self._eval_warmup_step(batch, signature)
+
+    def _eval_warmup_step(self, batch, signature) -> dict:
+        # on the side stream the graphs are captured on, as in training (_warmup_step)
         with self._on_side_stream():
             batch_output = super().eval_step(batch)
         self._eval_warm[signature] += 1
@@ -609,8 +613,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             self._drop_eval_graphs()
             stale = is_stale(error, compiles, _CaptureRefused)
             if stale and self._stale.capture_again_later(("eval", last, False)):
-                with self._on_side_stream():
-                    return super().eval_step(batch)  # a warm-up step; the next one captures
+                return self._eval_warmup_step(batch, signature)  # the next one captures
             reason = stale_capture_reason(compiles) if stale else describe_error(error)
             self._fall_back_eval(self._hook, reason, CompiledEngine)
             return self.eval_step(batch)
