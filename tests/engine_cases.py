@@ -172,6 +172,13 @@ def dynamo_counts():
     return counters["stats"]["unique_graphs"], compiles_so_far()
 
 
+def held_hyperparams(trainer):
+    """``(lr, betas or None)``: the tensors the trainer's compiled or graphed engine holds for the
+    optimizer's first group and lends to it while compiled code runs (engine/hyperparams.py)."""
+    held = trainer._engine._hparams._held[0]
+    return held.lr, held.betas
+
+
 def fasttrain_warnings(caught) -> List[str]:
     """The messages of fasttrain's own RuntimeWarnings among those ``warnings.catch_warnings(record=True)`` caught."""
     return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "fasttrain:" in str(w.message)]

@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 from fasttrain import Trainer
 from fasttrain.engine.hyperparams import TensorHyperparams, plain_optimizer_state
 
+from engine_cases import held_hyperparams
 from host_reads import HostReads
 
 AOT = {"backend": "aot_eager"}
@@ -54,7 +55,8 @@ def test_a_checkpoint_of_the_compiled_engine_holds_floats(tmp_path, opt):
     trainer = _trainer(optimizer_fn, "compiled")
     _train(trainer)
     assert trainer._engine.active_engine == "compiled"
-    assert isinstance(trainer.optimizer.param_groups[0]["lr"], torch.Tensor)  # held by the engine
+    assert isinstance(held_hyperparams(trainer)[0], torch.Tensor)  # held by the engine
+    assert type(trainer.optimizer.param_groups[0]["lr"]) is float  # the group's own, outside its calls
     trainer.save_checkpoint(tmp_path / "ckpt.pt")
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     _assert_plain(saved["optimizer_state_dict"]["param_groups"])
@@ -95,15 +97,16 @@ def test_the_users_own_capturable_flag_is_saved():
     assert [g["capturable"] for g in groups] == [False, True]
     assert [g["lr"] for g in groups] == [pytest.approx(0.1)] * 2
     _assert_plain(groups)
-    # the optimizer itself is left as the engine holds it
+    # the optimizer itself is left as the engine holds it (the learning rates are the groups' own
+    # floats outside compiled calls; the engine lends its tensors only to them)
     assert optimizer.param_groups[0]["capturable"] is True
-    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    assert type(optimizer.param_groups[0]["lr"]) is float
     # and it loads into the user's optimizer as written
     fresh = torch.optim.Adam([{"params": [params[0]]}, {"params": [params[1]], "capturable": True}], lr=0.3)
     fresh.load_state_dict(state)
     assert [g["capturable"] for g in fresh.param_groups] == [False, True]
     assert type(fresh.param_groups[0]["lr"]) is float
     # after the engine gives its groups back, nothing is rewritten any more
-    hparams.restore_floats()
+    hparams.release()
     assert optimizer.param_groups[0]["capturable"] is False
     assert [g["capturable"] for g in plain_optimizer_state(optimizer)["param_groups"]] == [False, True]

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 from fasttrain import Trainer
 from fasttrain.engine.eager import EagerEngine
 
-from engine_cases import fasttrain_warnings, mlp_case, run
+from engine_cases import fasttrain_warnings, held_hyperparams, mlp_case, run
 from memory_trace import recorded_history
 
 pytestmark = [
@@ -98,7 +98,8 @@ def test_fused_adam_steps_without_a_sync_in_the_compiled_engine(opt_cls):
     trainer = result.trainer
     assert trainer._engine.active_engine == "compiled"
     group = trainer.optimizer.param_groups[0]
-    assert isinstance(group["lr"], torch.Tensor) and all(type(b) is float for b in group["betas"])
+    lr, betas = held_hyperparams(trainer)
+    assert lr.device.type == "cuda" and betas is None and all(type(b) is float for b in group["betas"])
     assert trainer.syncs and set(trainer.syncs) == {0}
 
 
@@ -167,7 +168,7 @@ def test_a_checkpoint_from_a_gpu_engine_holds_floats_and_the_users_flags(tmp_pat
     result = _runs_clean(case, engine)
     trainer = result.trainer
     held = trainer.optimizer.param_groups[0]
-    assert held["capturable"] is True and held["lr"].device.type == "cuda"  # as the engine holds them
+    assert held["capturable"] is True and held_hyperparams(trainer)[0].device.type == "cuda"  # as the engine holds them
     trainer.save_checkpoint(tmp_path / "ckpt.pt")
     saved = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=True)["optimizer_state_dict"]
     group = saved["param_groups"][0]

@@ -15,7 +15,7 @@ import torch
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 
-from engine_cases import assert_runs_match, fasttrain_warnings, mlp_case, one_cycle, run
+from engine_cases import assert_runs_match, fasttrain_warnings, held_hyperparams, mlp_case, one_cycle, run
 from test_engine_graph_logic import AOT, HostGraphEngine, eager_and_graphed, host_graphs  # noqa: F401
 
 
@@ -111,6 +111,8 @@ def test_fused_adamw_is_captured_and_steps_as_eagers_fused_step():
     eager, graphed = eager_and_graphed(case)
     engine = graphed.trainer._engine
     group = graphed.trainer.optimizer.param_groups[0]
-    assert group["fused"] and isinstance(group["lr"], torch.Tensor) and not group["capturable"]
+    lr, betas = held_hyperparams(graphed.trainer)
+    assert group["fused"] and isinstance(lr, torch.Tensor) and betas is None and not group["capturable"]
+    assert type(group["lr"]) is float  # the group's own value outside the compiled calls
     assert sum(step.graph.replays for step in engine._train_graphs.values()) > 0
     assert_runs_match(eager, graphed)

@@ -135,7 +135,7 @@ def test_adam_whose_step_counters_went_back_to_the_host_is_checked_on_the_host()
     for p in model.parameters():
         optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
     assert masked.ready()
-    optimizer.param_groups[0]["capturable"] = False  # what TensorHyperparams.restore_floats does
+    optimizer.param_groups[0]["capturable"] = False  # what TensorHyperparams.release does
     assert not masked.ready()
     assert masked_step.masked_step_for(optimizer, flag) is None
 

@@ -24,9 +24,19 @@ def _params(seed=0):
 
 
 # ----------------------------------------------------------------------------- hyperparameters
+def _lent(hparams):
+    """The groups' values as a compiled call sees them: written into the tensors, then lent."""
+    hparams.write()
+    hparams.lend()
+    group = hparams.optimizer.param_groups[0]
+    seen = group["lr"], group.get("betas")
+    hparams.hand_back()
+    return seen
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 @pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
-def test_torch_one_cycle_writes_into_the_held_tensors(opt_cls):
+def test_torch_one_cycle_keeps_floats_in_the_groups_and_its_values_reach_the_held_tensors(opt_cls):
     kwargs = {"momentum": 0.9} if opt_cls is torch.optim.SGD else {}
     plain = opt_cls(_params(), lr=0.1, **kwargs)
     held = opt_cls(_params(), lr=0.1, **kwargs)
@@ -37,38 +47,101 @@ def test_torch_one_cycle_writes_into_the_held_tensors(opt_cls):
     ]
     hparams = TensorHyperparams(held)
     assert hparams.apply()
-    lr = held.param_groups[0]["lr"]
-    betas = held.param_groups[0].get("betas")
+    assert type(held.param_groups[0]["lr"]) is float  # the groups keep their own values
+    lr, betas = _lent(hparams)
     assert isinstance(lr, torch.Tensor) and lr.dim() == 0
     for _ in range(10):
         for s in scheds:
             s.step()
-        hparams.sync()
         group, reference = held.param_groups[0], plain.param_groups[0]
-        assert group["lr"] is lr
-        assert float(lr) == pytest.approx(reference["lr"], rel=1e-6)
+        # outside compiled calls: exactly what the eager optimizer's groups show
+        assert group["lr"] == reference["lr"] and type(group["lr"]) is float
+        lent_lr, lent_betas = _lent(hparams)
+        assert lent_lr is lr and float(lr) == pytest.approx(reference["lr"], rel=1e-6)
         if betas is not None:
-            assert group["betas"] is betas
+            assert lent_betas is betas and group["betas"] == reference["betas"]
             assert float(betas[0]) == pytest.approx(reference["betas"][0], rel=1e-6)
     assert hparams.changed_settings() == []
 
 
-def test_fasttrain_scheduler_and_float_assignments_keep_the_tensor():
+def test_a_list_of_learning_rates_kept_from_the_groups_holds_each_steps_value():
+    # a callback appending group["lr"] each step (to the run history, say) reads it outside the
+    # compiled calls: each entry is that step's float, not one tensor changing under it
+    opt = torch.optim.AdamW(_params(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    hparams = TensorHyperparams(opt)
+    hparams.apply()
+    kept = []
+    for _ in range(4):
+        _lent(hparams)
+        opt.step()
+        sched.step()
+        kept.append(opt.param_groups[0]["lr"])
+    assert kept == [0.05, 0.025, 0.0125, 0.00625]
+
+
+def test_fasttrain_scheduler_and_float_assignments_reach_the_held_tensor():
     opt = torch.optim.AdamW(_params(), lr=0.1)
     sched = CosineLrScheduler(opt, total_num_epochs=2, num_update_steps_per_epoch=5)
     hparams = TensorHyperparams(opt)
     hparams.apply()
-    lr = opt.param_groups[0]["lr"]
+    lr, betas = _lent(hparams)
     sched.step()
-    assert opt.param_groups[0]["lr"] is lr  # written in place by set_param_group_value
+    assert type(opt.param_groups[0]["lr"]) is float
+    assert float(_lent(hparams)[0]) == pytest.approx(opt.param_groups[0]["lr"])
     opt.param_groups[0]["lr"] = 0.0123  # a scheduler that assigns floats
     opt.param_groups[0]["betas"] = (0.5, opt.param_groups[0]["betas"][1])
-    hparams.sync()
-    assert opt.param_groups[0]["lr"] is lr and float(lr) == pytest.approx(0.0123)
-    assert float(opt.param_groups[0]["betas"][0]) == 0.5
-    hparams.restore_floats()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.0123) and isinstance(opt.param_groups[0]["lr"], float)
-    assert opt.param_groups[0]["betas"] == (0.5, pytest.approx(0.999))
+    lent_lr, lent_betas = _lent(hparams)
+    assert lent_lr is lr and float(lr) == pytest.approx(0.0123)
+    assert lent_betas is betas and float(betas[0]) == 0.5
+    assert opt.param_groups[0]["lr"] == 0.0123 and opt.param_groups[0]["betas"] == (0.5, 0.999)
+    hparams.release()
+    assert opt.param_groups[0]["lr"] == 0.0123 and opt.param_groups[0]["betas"] == (0.5, 0.999)
+
+
+def test_a_value_written_or_assigned_inside_a_compiled_call_becomes_the_groups_value():
+    # a scheduler stepped inside an overridden optimizer_step writes the lent tensor in place
+    # (torch's schedulers do, for a tensor lr): that value is the group's from then on
+    opt = torch.optim.AdamW(_params(), lr=0.1)
+    hparams = TensorHyperparams(opt)
+    hparams.apply()
+    hparams.write()
+    hparams.lend()
+    group = opt.param_groups[0]
+    group["lr"].fill_(0.25)
+    group["betas"][0].fill_(0.5)
+    hparams.hand_back()
+    assert group["lr"] == 0.25 and group["betas"] == (0.5, 0.999)
+    assert float(_lent(hparams)[0]) == 0.25
+    hparams.lend()
+    group["lr"] = 0.125  # an assignment stays
+    hparams.hand_back()
+    assert group["lr"] == 0.125 and float(_lent(hparams)[0]) == 0.125
+
+
+def test_engines_holding_one_optimizer_share_what_was_copied_last():
+    # the training engine and its evaluation's fallback hold the same tensors: a value one of
+    # them copied in is known to the other, which copies the group's value back when it returns
+    opt = torch.optim.AdamW(_params(), lr=0.1)
+    first, second = TensorHyperparams(opt), TensorHyperparams(opt)
+    first.apply()
+    second.apply()
+    lr = _lent(first)[0]
+    assert _lent(second)[0] is lr
+    opt.param_groups[0]["lr"] = 0.2
+    _lent(second)
+    opt.param_groups[0]["lr"] = 0.1
+    assert float(_lent(first)[0]) == pytest.approx(0.1)
+
+
+def test_the_users_own_tensor_learning_rate_is_used_as_it_is():
+    user_lr = torch.tensor(0.05)
+    opt = torch.optim.AdamW(_params(), lr=user_lr)
+    hparams = TensorHyperparams(opt)
+    hparams.apply()
+    assert _lent(hparams)[0] is user_lr and opt.param_groups[0]["lr"] is user_lr
+    user_lr.fill_(0.01)  # torch's schedulers write a tensor lr in place
+    assert float(_lent(hparams)[0]) == pytest.approx(0.01) and opt.param_groups[0]["lr"] is user_lr
 
 
 def test_changed_constant_settings_are_reported_and_loads_detected():
@@ -89,7 +162,7 @@ def test_optimizers_without_tensor_lr_are_left_alone():
     hparams = TensorHyperparams(opt)
     assert not hparams.apply()
     assert opt.param_groups[0]["lr"] == 0.1
-    hparams.sync()  # nothing held: a no-op
+    assert _lent(hparams) == (0.1, None)  # nothing held: write, lend and hand back do nothing
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
@@ -100,7 +173,7 @@ def test_fused_adam_keeps_float_betas_and_a_tensor_lr(opt_cls):
     hparams = TensorHyperparams(fused, capturable=True)
     assert hparams.apply()
     group = fused.param_groups[0]
-    assert isinstance(group["lr"], torch.Tensor) and group["betas"] == (0.8, 0.95)
+    assert isinstance(_lent(hparams)[0], torch.Tensor) and _lent(hparams)[1] == (0.8, 0.95)
     assert all(type(b) is float for b in group["betas"])
     assert not group.get("capturable")  # fused keeps its step counter on the device anyway
     # a scheduler changing them is reported, with what to do

@@ -103,3 +103,40 @@ def test_only_compiles_for_the_hooks_values_count_as_a_changed_step(monkeypatch)
     compiles[0] += 1
     failures[code].append("0/3:   ctx.trainer.step_count == 5     # loss * step  # hooks.py:3 in f")
     assert mark.guard_failures() == [("<lambda>", "0/3: ctx.trainer.step_count == 5 # loss * step # hooks.py:3 in f")]
+
+
+class KeepsHyperparams(TrainerCallback):
+    """Appends the optimizer's learning rate and beta1, and the scheduler's last rate, to the run
+    history after every step, as scripts that plot their schedule do."""
+
+    def on_train_step_end(self, trainer, **kwargs):
+        group = trainer.optimizer.param_groups[0]
+        trainer.run_history.update_metric("lr", group["lr"])
+        trainer.run_history.update_metric("beta1", group["betas"][0])
+        trainer.run_history.update_metric("last_lr", trainer.scheduler.get_last_lr()[0])
+
+
+@pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
+def test_a_callback_keeping_the_learning_rate_records_each_steps_value_as_eager(engine, host_graphs):
+    # the engines read the learning rate and betas as device tensors; outside their compiled
+    # calls the groups hold the scheduler's floats, so what a callback keeps is that step's value
+    # (a tensor written in place would leave every entry showing the last one, with no error)
+    case = mlp_case(epochs=2)
+    runs = {}
+    for name, options in (("eager", None), (engine, AOT)):
+        torch.manual_seed(0)
+        model = case.model()
+        trainer = Trainer(model, case.loss, case.optimizer(model), callbacks=[KeepsHyperparams()], engine=name,
+                          compile_options=options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(train_dataset=case.data(), num_epochs=case.epochs, per_device_batch_size=case.batch_size,
+                          **case.train_kwargs)
+        runs[name] = trainer
+    assert runs[engine].active_engine == engine
+    for metric in ("lr", "beta1", "last_lr"):
+        eager, ours = (runs[n].run_history.get_metric_values(metric) for n in ("eager", engine))
+        assert all(type(value) is float for value in ours), ours[:3]
+        assert ours == eager and len(set(eager)) > 5, (metric, ours[:5], eager[:5])
+    group = runs[engine].optimizer.param_groups[0]
+    assert group["lr"] == runs["eager"].optimizer.param_groups[0]["lr"] and type(group["lr"]) is float

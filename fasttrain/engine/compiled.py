@@ -375,9 +375,9 @@ class CompiledEngine(StepEngine):
         advice: str = "",
     ) -> None:
         if engine_cls is EagerEngine and self._hparams is not None:
-            # The eager engine steps with plain floats (SGD reads a tensor learning rate on the
-            # host every step); a compiled fallback holds them as tensors again in its setup.
-            self._hparams.restore_floats()
+            # the eager engine steps with the groups' own values and a host-side step counter; a
+            # compiled fallback holds tensors again (the same ones) in its setup
+            self._hparams.release()
         self._hparams = None
         self._train_fallback = self._make_fallback(engine_cls)
         if warn:
@@ -505,7 +505,7 @@ class CompiledEngine(StepEngine):
         with self.no_sync_context(update):
             self._hook = TRAIN_HOOK
             try:
-                batch_output, loss = self._functions.train_forward(self.ctx, batch)
+                batch_output, loss = self._call(self._functions.train_forward, batch)
             except Exception as error:  # noqa: BLE001
                 if _is_control_flow(error):
                     raise
@@ -556,29 +556,40 @@ class CompiledEngine(StepEngine):
     def _compiled_update(self) -> None:
         trainer = self.trainer
         hparams = self._hparams
-        if hparams is not None:
-            if hparams.groups_replaced:
-                hparams.apply()  # the optimizer's state was loaded: hold the new groups' values
-            hparams.sync()
+        if hparams is not None and hparams.groups_replaced:
+            hparams.apply()  # the optimizer's state was loaded: hold the new groups' values
         clipper = getattr(trainer, "_clipper", None)
         if clipper is not None and clipper is not self._clipper_noted:
             # the gradients exist now, before this run's first update is traced (engine/clipping.py)
             clipper.note_gradient_layout()
             self._clipper_noted = clipper
         self._hook = "optimizer_step"
-        norm = self._functions.update(self.ctx)
+        norm = self._call(self._functions.update)
         if norm is not None:
             self.last_grad_norm = norm
         if trainer.scheduler is not None and not self.ctx.step_was_skipped():
-            trainer.scheduler_step()
+            trainer.scheduler_step()  # with the groups' own values, as in eager
             if hparams is not None:
-                hparams.sync()
                 self._check_settings(hparams)
         self._hook = "optimizer_zero_grad"
         self.zero_grad()
 
     def zero_grad(self) -> None:
         self.trainer.optimizer_zero_grad()
+
+    def _call(self, compiled: Callable, *args):
+        """``compiled(ctx, *args)`` with the learning rates (and Adam's betas) in the optimizer's
+        groups as the held device tensors, which the compiled code reads as graph inputs; the
+        groups show their own values again after it (engine/hyperparams.py)."""
+        hparams = self._hparams
+        if hparams is None:
+            return compiled(self.ctx, *args)
+        hparams.write()
+        hparams.lend()
+        try:
+            return compiled(self.ctx, *args)
+        finally:
+            hparams.hand_back()
 
     def _check_settings(self, hparams: TensorHyperparams) -> None:
         changes = hparams.changed_settings()
@@ -605,7 +616,7 @@ class CompiledEngine(StepEngine):
         if fallback is not None:
             return fallback.eval_step(batch)
         try:
-            batch_output = self._functions.eval_forward(self.ctx, batch)
+            batch_output = self._call(self._functions.eval_forward, batch)
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
             if _is_control_flow(error):
                 raise

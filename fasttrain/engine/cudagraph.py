@@ -367,7 +367,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
                 zero_grad = self._captured_zero_grad()
-                graph, (batch_output, norm) = self._capture(lambda: self._train_body(static.tree, update, zero_grad))
+                graph, (batch_output, norm) = self._capture_lent(lambda: self._train_body(static.tree, update, zero_grad))
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
             if any(p.grad is not grad for p, grad in grads):
                 raise _CaptureRefused(
@@ -402,6 +402,25 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._graphed_model = self.trainer.model
         return self._replay(captured, batch, update)
 
+    def _capture_lent(self, body):
+        # The compiled functions are captured reading the held hyperparameter tensors, lent to
+        # the groups for the body (host work, nothing recorded); the groups' values are copied
+        # into them before the capture (a copy inside it would be recorded, and every replay
+        # would write that value again), as before each replay.
+        hparams = self._hparams
+        if hparams is None:
+            return self._capture(body)
+        hparams.write()
+
+        def lent_body():
+            hparams.lend()
+            try:
+                return body()
+            finally:
+                hparams.hand_back()
+
+        return self._capture(lent_body)
+
     def _train_body(self, batch, update: bool, zero_grad):
         trainer = self.trainer
         functions = self._functions
@@ -429,8 +448,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             return self.train_step(batch, update)
         if not self._replay_safe(captured):
             return self.train_step(batch, update)
-        if update:
-            hparams.sync()
+        hparams.write()  # the scheduler's new values, into the tensors the graph reads
         captured.static.load(batch)
         batch_output, norm = captured.replay()
         if captured.effects is not None:
@@ -444,7 +462,6 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             trainer = self.trainer
             if trainer.scheduler is not None:
                 trainer.scheduler_step()
-                hparams.sync()
                 self._check_settings(hparams)
         return batch_output
 
@@ -578,6 +595,8 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         return batch_output
 
     def _replay_eval(self, captured: CapturedStep, batch) -> dict:
+        if self._hparams is not None:
+            self._hparams.write()
         captured.static.load(batch)
         batch_output = captured.replay()[0]
         if captured.effects is not None:
@@ -602,7 +621,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         mark = effects.mark()
         compiles = CompileMark()
         try:
-            graph, batch_output = self._capture(body)
+            graph, batch_output = self._capture_lent(body)
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
             if compiles.saw_changed_values():
                 raise StaleCapture(stale_capture_reason(compiles))  # as in training

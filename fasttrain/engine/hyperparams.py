@@ -1,21 +1,26 @@
-"""Optimizer hyperparameters held as device tensors, so schedules never recompile or re-capture.
+"""Optimizer hyperparameters handed to compiled code as device tensors, so schedules never
+recompile or re-capture.
 
 A compiled optimizer step guards on every Python float it reads: a scheduler that assigns a new
 ``group["lr"]`` float each update would recompile the step each update, and a CUDA graph would
-keep replaying the learning rate it was captured with. Holding the learning rate (and Adam's
-betas, which ``OneCycleLR`` cycles by default) as 0-dim tensors on the parameters' device turns
-them into graph inputs that are overwritten in place.
+keep replaying the learning rate it was captured with. Inside fasttrain's compiled functions (and
+their CUDA graphs) the learning rate (and Adam's betas, which ``OneCycleLR`` cycles by default)
+are therefore 0-dim tensors on the parameters' device, graph inputs whose values are copied in
+before each call.
+
+Everywhere else the parameter groups hold the values the user and the scheduler put there (plain
+floats): a callback that appends ``group["lr"]`` to the run history, a scheduler computing the next
+rate from the current one, ``json.dumps`` of the groups, a checkpoint, all see what they would see
+under the eager engine. :class:`TensorHyperparams` lends the tensors to the groups for the
+duration of each compiled call (:meth:`~TensorHyperparams.lend`,
+:meth:`~TensorHyperparams.hand_back`) and copies a changed value into its tensor before it
+(:meth:`~TensorHyperparams.write`): a host write, never a read.
 
 Fused Adam/AdamW (``fused=True``) is the exception for the betas: its kernel takes them as
 floats only, so tensor betas would be read back to the host twice per update. There the betas
 stay floats (:func:`tensor_fields` decides, per group) and a scheduler that changes them is
-warned about, as for any other setting compiled in as a constant; the learning rate may still be
-a tensor (the fused kernel has an overload for it).
-
-Schedulers may still assign floats (torch's own schedulers before 2.2, user code): after each
-scheduler step :meth:`TensorHyperparams.sync` copies such a value into the tensor and puts the
-tensor back, so the compiled step and the captured graph see the new value. Everything here runs
-on the host between steps and never reads a device value.
+warned about, as for any other setting compiled in as a constant; the learning rate is still a
+tensor (the fused kernel has an overload for it).
 """
 
 from __future__ import annotations
@@ -71,9 +76,9 @@ def _plain(value):
 
 def plain_optimizer_state(optimizer, state: Optional[dict] = None) -> dict:
     """``optimizer.state_dict()`` (or ``state``, in its format) as the user's optimizer would
-    write it: the learning rates and betas an engine holds as device tensors as floats, and
-    ``capturable=False`` where an engine switched it on, with those groups' step counters on the
-    host. A checkpoint then loads on a machine without the device, and an eager SGD resumed from
+    write it, with floats for any 0-dim tensor learning rate or betas (a user's own; the engines
+    lend theirs to the groups only during compiled calls), and ``capturable=False`` where an
+    engine switched it on, with those groups' step counters on the host. A checkpoint then loads on a machine without the device, and an eager SGD resumed from
     it steps with a float learning rate instead of reading a tensor every step."""
     opt = inner_optimizer(optimizer)
     state = opt.state_dict() if state is None else state
@@ -125,9 +130,56 @@ def _write(target: torch.Tensor, value) -> None:
         target.fill_(_host_value(value))
 
 
+#: optimizer -> the :class:`_Held` of its groups, shared by every engine holding them (a second
+#: ``train()``, a fallback, the evaluation's engine): compiled code that saw the tensors needs no
+#: new trace, and what was last copied into a tensor is known to all of them
+_HELD_TENSORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _copy_in(held: torch.Tensor, value, seen) -> None:
+    # The group's value into the tensor held for it, where it may differ from what was copied
+    # last: numbers are compared on the host; a tensor is copied every time (it may have been
+    # written in place), unless it is the held tensor itself.
+    if value is held:
+        return
+    if isinstance(value, torch.Tensor) or isinstance(seen, torch.Tensor) or value != seen:
+        _write(held, value)
+
+
+def _written_inside(held: torch.Tensor, version: int):
+    """The value code inside a compiled call wrote into ``held`` in place, as the group shows it
+    from now on: a float on the CPU, a copy on a device (reading it would wait for the device)."""
+    if held._version == version:
+        return None
+    if held.device.type == "cpu":
+        return float(held)
+    return held.detach().clone()
+
+
+class _Held:
+    """One parameter group's held tensors and the values its group shows outside compiled calls."""
+
+    __slots__ = ("group", "lr", "lr_seen", "lr_version", "betas", "betas_seen", "betas_versions")
+
+    def __init__(self, group: dict, lr: torch.Tensor, betas: Optional[Tuple[torch.Tensor, torch.Tensor]]):
+        self.group = group
+        self.lr = lr
+        self.lr_seen = group["lr"]
+        self.lr_version = 0
+        self.betas = betas
+        self.betas_seen = group.get("betas")
+        self.betas_versions = (0, 0)
+
+
+def _holds(held: Optional[_Held], lr: torch.Tensor, betas) -> bool:
+    if held is None or held.lr is not lr or (held.betas is None) != (betas is None):
+        return False
+    return betas is None or (held.betas[0] is betas[0] and held.betas[1] is betas[1])
+
+
 class TensorHyperparams:
-    """Converts the learning rate (and Adam betas) of every parameter group to 0-dim tensors and
-    keeps them in place for the life of an engine.
+    """Holds the learning rate (and Adam's betas) of every parameter group as 0-dim tensors for
+    the life of an engine, and lends them to the groups while compiled code runs.
 
     :param capturable: also switch Adam/AdamW to ``capturable=True`` (device-side step counter,
         no host reads), which CUDA graphs need and which a tensor learning rate needs with the
@@ -141,55 +193,54 @@ class TensorHyperparams:
         self._groups: Optional[list] = None
         self._num_groups = 0
         self._state = None
-        self._lr: List[torch.Tensor] = []
-        self._betas: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = []
+        self._held: List[_Held] = []
         self._watched: List[Dict[str, object]] = []
         self._made_capturable: List[dict] = []
 
     # ------------------------------------------------------------------ setup
     def apply(self) -> bool:
-        """Convert the groups' values; returns False (and changes nothing) when the optimizer
-        does not accept tensors there."""
+        """Hold tensors for the groups' values (the groups keep theirs); returns False (and
+        changes nothing) when the optimizer does not accept tensors there."""
         if not self.supported:
             return False
         opt = self.optimizer
-        self._lr, self._betas = [], []
+        earlier = {id(held.group): held for held in _HELD_TENSORS.get(opt, ())}
+        self._held = []
         for group in opt.param_groups:
             device = _group_device(group)
-            self._lr.append(self._as_tensor(group, "lr", device))
+            before = earlier.get(id(group))
+            if before is not None and before.group is not group:
+                before = None
+            lr = self._tensor_for(group["lr"], device, before and before.lr)
+            betas = None
             tensor_betas = "betas" in tensor_fields(opt, group)
             if tensor_betas:
                 b1, b2 = group["betas"]
-                betas = (self._held(b1, device), self._held(b2, device))
-                group["betas"] = betas
-                self._betas.append(betas)
-            else:
-                self._betas.append(None)
+                old = (before and before.betas) or (None, None)
+                betas = (self._tensor_for(b1, device, old[0]), self._tensor_for(b2, device, old[1]))
+            self._held.append(before if _holds(before, lr, betas) else _Held(group, lr, betas))
             if self.capturable and tensor_betas and device.type == "cuda":
                 self._make_capturable(group)
+        _HELD_TENSORS[opt] = list(self._held)
+        self.write()
         self._groups = opt.param_groups
         self._num_groups = len(opt.param_groups)
         self._state = opt.state
-        self._watched = [self._watched_values(g, b) for g, b in zip(opt.param_groups, self._betas)]
+        self._watched = [self._watched_values(h.group, h.betas) for h in self._held]
         return True
 
-    def _as_tensor(self, group: dict, key: str, device: torch.device) -> torch.Tensor:
-        tensor = self._held(group[key], device)
-        group[key] = tensor
-        return tensor
-
-    def _held(self, value, device: torch.device) -> torch.Tensor:
-        # A tensor held by an earlier engine (an earlier train(), a fallback) is kept as it is:
-        # compiled code that saw it needs no new trace.
+    @classmethod
+    def _tensor_for(cls, value, device: torch.device, earlier: Optional[torch.Tensor]) -> torch.Tensor:
+        # The user's own 0-dim float32 tensor on the device is used as it is; a tensor held by an
+        # earlier engine for this group is kept (compiled code that saw it needs no new trace)
+        # and given the current value. Setup time, once per value: a copy from the host (or
+        # another device) may wait for the device here, never in the step loop.
         if isinstance(value, torch.Tensor) and value.device == device and value.dim() == 0:
             if value.dtype == torch.float32:
                 return value
-        return self._scalar_tensor(value, device)
-
-    @staticmethod
-    def _scalar_tensor(value, device: torch.device) -> torch.Tensor:
-        # Setup time, once per value: a copy from the host (or another device) may wait for the
-        # device here, never in the step loop.
+        if earlier is not None and earlier.device == device:
+            _write(earlier, value)
+            return earlier
         if isinstance(value, torch.Tensor):
             return value.detach().reshape(()).to(device=device, dtype=torch.float32).clone()
         return torch.tensor(float(value), dtype=torch.float32, device=device)
@@ -217,7 +268,7 @@ class TensorHyperparams:
             skip.add("betas")
         return {k: group.get(k) for k in self.optimizer.defaults if k not in skip}
 
-    # ------------------------------------------------------------------ per update
+    # ------------------------------------------------------------------ per call
     @property
     def groups_replaced(self) -> bool:
         """True when ``optimizer.load_state_dict`` (or similar) replaced the parameter groups or
@@ -227,23 +278,56 @@ class TensorHyperparams:
         groups = opt.param_groups
         return groups is not self._groups or opt.state is not self._state or len(groups) != self._num_groups
 
-    def sync(self) -> None:
-        """Put the tensors back where a scheduler assigned plain values, copying the values in.
-        Cheap: one identity check per group and field."""
-        if self._groups is None:
-            return
-        for group, lr, betas in zip(self._groups, self._lr, self._betas):
+    def write(self) -> None:
+        """Copy the values the groups show (a scheduler's new learning rate) into the held
+        tensors, before a compiled call or a graph's replay. Host work only: one identity check
+        per group and field, and a host write where a value changed. Not inside a capture (the
+        write would be recorded)."""
+        for held in self._held:
+            group = held.group
             value = group["lr"]
-            if value is not lr:
-                _write(lr, value)
-                group["lr"] = lr
-            if betas is not None:
+            if value is not held.lr_seen or type(value) is not float:
+                _copy_in(held.lr, value, held.lr_seen)
+                held.lr_seen = value
+            if held.betas is not None:
                 current = group["betas"]
-                if current is not betas:
-                    for target, new in zip(betas, current):
-                        if new is not target:
-                            _write(target, new)
-                    group["betas"] = betas
+                seen = held.betas_seen
+                if current is not seen or type(current[0]) is not float or type(current[1]) is not float:
+                    for target, new, old in zip(held.betas, current, seen):
+                        _copy_in(target, new, old)
+                    held.betas_seen = current
+
+    def lend(self) -> None:
+        """Put the held tensors in the groups, for a compiled call (or a capture) that reads them
+        as graph inputs. :meth:`write` first, outside a capture."""
+        for held in self._held:
+            group = held.group
+            group["lr"] = held.lr
+            held.lr_version = held.lr._version
+            if held.betas is not None:
+                group["betas"] = held.betas
+                held.betas_versions = (held.betas[0]._version, held.betas[1]._version)
+
+    def hand_back(self) -> None:
+        """Give the groups their own values back after a compiled call. A value the call
+        assigned stays; one it wrote into a held tensor in place (a scheduler stepped inside an
+        overridden ``optimizer_step``) becomes the group's value."""
+        for held in self._held:
+            group = held.group
+            if group["lr"] is held.lr:
+                inside = _written_inside(held.lr, held.lr_version)
+                if inside is not None:
+                    held.lr_seen = inside
+                group["lr"] = held.lr_seen
+            # else the call assigned a value: the group keeps it, and the next write copies it
+            if held.betas is not None:
+                if group["betas"] is held.betas:
+                    written = [_written_inside(b, v) for b, v in zip(held.betas, held.betas_versions)]
+                    if any(value is not None for value in written):
+                        held.betas_seen = tuple(
+                            old if new is None else new for old, new in zip(held.betas_seen, written)
+                        )
+                    group["betas"] = held.betas_seen
 
     def changed_settings(self) -> List[str]:
         """The group settings (other than the tensor-held ones) that changed since :meth:`apply`,
@@ -251,7 +335,8 @@ class TensorHyperparams:
         changes = []
         if self._groups is None:
             return changes
-        for i, (group, watched) in enumerate(zip(self._groups, self._watched)):
+        for i, (held, watched) in enumerate(zip(self._held, self._watched)):
+            group = held.group
             for key, old in watched.items():
                 new = group.get(key)
                 if new is old:
@@ -264,23 +349,15 @@ class TensorHyperparams:
     def accept_changes(self) -> None:
         """Take the current settings as the new reference (after a warning was given)."""
         if self._groups is not None:
-            self._watched = [self._watched_values(g, b) for g, b in zip(self._groups, self._betas)]
+            self._watched = [self._watched_values(h.group, h.betas) for h in self._held]
 
     # ------------------------------------------------------------------ teardown
-    def restore_floats(self) -> None:
-        """Turn the tensors back into floats (for an eager step, where a tensor learning rate
-        makes SGD read it on the host every step). One host read per value, once."""
-        if self._groups is None:
-            return
-        self.sync()
-        for group, lr, betas in zip(self._groups, self._lr, self._betas):
-            # SYNC(fallback): once, when an engine falls back to eager; never in the step loop
-            group["lr"] = float(lr)
-            if betas is not None:
-                group["betas"] = (float(betas[0]), float(betas[1]))
+    def release(self) -> None:
+        """Stop holding (when an engine falls back to eager): groups this engine switched to
+        ``capturable`` are switched back, their step counters moved to the host (eager Adam
+        reads a host-side counter for free; a device one would need the capturable code path,
+        more kernels, or a host read per step). The groups keep their own values throughout."""
         for group in self._made_capturable:
-            # eager Adam reads a host-side step counter for free; a device one would need the
-            # capturable code path (more kernels) or a host read per step
             group["capturable"] = False
             for p in group["params"]:
                 state = self.optimizer.state.get(p)
@@ -290,4 +367,4 @@ class TensorHyperparams:
         made[:] = [g for g in made if not any(g is restored for restored in self._made_capturable)]
         self._made_capturable = []
         self._groups = None
-        self._lr, self._betas, self._watched = [], [], []
+        self._held, self._watched = [], []

@@ -37,7 +37,6 @@ from fasttrain.lightning.hooks import (
 )
 from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
-from fasttrain.lightning.lr_monitor import monitors_keep_values
 from fasttrain.lightning.metric_calls import metric_calls_outside_graphs
 from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks, profiling, timed
 from fasttrain.lightning.profiler import start_run as start_profiler
@@ -282,9 +281,7 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
     # its warning) or -1 (when max_steps or max_time bounds the fit)
     lt.min_epochs, lt.max_epochs = _parse_loop_limits(lt.min_steps, lt.max_steps, lt.min_epochs, lt.max_epochs, lt)
     _barebones_notice(lt)
-    # LearningRateMonitor keeps copies of the tensor learning rates, floats once the fit ends
-    with monitors_keep_values(lt):
-        handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, choice, weights_only))
+    handle_errors(lt, functools.partial(_fit, lt, train_dataloaders, val_dataloaders, choice, weights_only))
 
 
 def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
