@@ -43,7 +43,7 @@ def compile_options(options, engine: str) -> None:
     engine cannot run with fail at construction, not when ``train()`` sets the engine up."""
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"compile_options must be a dict of torch.compile arguments; got {type(options).__name__}")
-    from fasttrain.engine.compiled import CompileSettings, settings_for_engine
+    from fasttrain.engine.compiled_functions import CompileSettings, settings_for_engine
 
     settings_for_engine(CompileSettings.from_options(options), engine)
 
@@ -249,7 +249,7 @@ def apply_model_transforms(model, activation_checkpointing, compile_regions, com
         return model
     # the blocks run compiled one by one, under engine="eager" and as graph breaks inside the
     # compiled engines' trace of the whole step
-    from fasttrain.engine.compiled import CompileSettings
+    from fasttrain.engine.compiled_functions import CompileSettings
     from fasttrain.regional import compile_regions as compile_blocks
 
     kwargs = CompileSettings.from_options(compile_options).kwargs()

@@ -7,7 +7,7 @@ import torch
 
 from fasttrain import Trainer, prepare
 from fasttrain.engine import CompiledEngine, CudaGraphEngine
-from fasttrain.engine.compiled import CompileSettings, settings_for_engine
+from fasttrain.engine.compiled_functions import CompileSettings, settings_for_engine
 
 from engine_cases import MLP
 

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from fasttrain import Trainer
 from fasttrain import prepare
 from fasttrain.engine import auto_engine_name, create_engine
-from fasttrain.engine.compiled import CompileSettings
+from fasttrain.engine.compiled_functions import CompileSettings
 from fasttrain.schedulers import CosineLrScheduler
 
 from engine_cases import (

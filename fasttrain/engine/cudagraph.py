@@ -40,12 +40,8 @@ from typing import Dict, Optional
 
 import torch
 
-from fasttrain.engine.compiled import (
-    CompiledEngine,
-    CompileSettings,
-    _is_control_flow,
-    describe_error,
-)
+from fasttrain.engine.compiled import CompiledEngine, _is_control_flow, describe_error
+from fasttrain.engine.compiled_functions import CompileSettings
 from fasttrain.engine.compile_events import (
     CompileMark,
     StaleCapture,

@@ -1,0 +1,222 @@
+"""What the compiled engines compile, and with which settings.
+
+Three functions are compiled, each with the hooks it calls inlined:
+
+* the training forward: ``calculate_train_batch_loss`` and the 1/accumulation scaling of the
+  loss (the context's ``loss_for_backward``). AOTAutograd compiles its backward at the same time, so
+  ``backward_step``'s ``loss.backward()`` runs a compiled backward graph;
+* the update: gradient clipping (the fused kernels, which are custom ops and trace) and
+  ``optimizer_step``. The learning rate and Adam's betas are 0-dim tensors lent to the groups
+  while it runs (:mod:`fasttrain.engine.hyperparams`), so a scheduler never causes a recompile;
+* the evaluation forward: ``calculate_eval_batch_loss`` under ``no_grad``.
+
+Each trainer (or what outlives it, ``StepContext.compile_owner``) keeps private copies of the
+three, per :class:`CompileSettings`, so that trainers neither share dynamo's caches nor its
+recompile limits, and a second ``train()`` with the same shapes compiles nothing.
+
+The forward hooks are traced whole first (``fullgraph=True``); :meth:`_CompiledFunctions.allow_breaks`
+compiles one with graph breaks allowed where its whole trace failed. Torch's optimizers break the
+graph around ``step`` on purpose (to keep AOTAutograd's no-grad inference graph), so the update
+is compiled with ``fullgraph=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+from fasttrain.engine import recompile_limit
+from fasttrain.engine.context import StepContext
+from fasttrain.engine.graph_report import CountingCall, HookGraphs
+from fasttrain.engine.logging_calls import with_logger_calls_ignored
+
+COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """Validated ``Trainer(compile_options=...)``.
+
+    ``fullgraph`` applies to the forward hooks (the optimizer update is always compiled with
+    graph breaks allowed): None (not given) traces each whole and accepts graph breaks where it
+    cannot (docs/engines.md, *Fallbacks*), True insists on one graph, False accepts breaks from
+    the start. ``dynamic`` defaults to ``False`` so that shapes are static.
+    """
+
+    backend: object = "inductor"
+    mode: Optional[str] = None
+    fullgraph: Optional[bool] = None
+    dynamic: Optional[bool] = False
+    options: Optional[tuple] = None  # inductor options as sorted (key, value) items
+
+    @classmethod
+    def from_options(cls, options: Optional[dict]) -> "CompileSettings":
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(COMPILE_OPTION_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Unknown compile_options {unknown}; fasttrain passes only "
+                f"{', '.join(COMPILE_OPTION_KEYS)} to torch.compile."
+            )
+        if options.get("mode") is not None and options.get("options") is not None:
+            raise ValueError(
+                "compile_options: give either 'mode' or 'options' (torch.compile refuses both)"
+            )
+        if "fullgraph" in options and not isinstance(options["fullgraph"], bool):
+            raise ValueError(f"compile_options['fullgraph'] must be True or False, got {options['fullgraph']!r}")
+        if options.get("dynamic") not in (None, True, False):
+            raise ValueError(f"compile_options['dynamic'] must be True, False or None, got {options['dynamic']!r}")
+        if options.get("options") is not None:
+            # kept as sorted items so the settings hash (compiled functions are cached per value)
+            options["options"] = tuple(sorted(dict(options["options"]).items()))
+        return cls(**options)
+
+    def kwargs(self, fullgraph: Optional[bool] = None) -> dict:
+        kwargs = {
+            "backend": self.backend,
+            "fullgraph": self.fullgraph is not False if fullgraph is None else fullgraph,
+            "dynamic": self.dynamic,
+        }
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.options is not None:
+            kwargs["options"] = dict(self.options)
+        return kwargs
+
+
+#: inductor modes whose only or partial effect is inductor's own CUDA graphs, and the variant that
+#: keeps the rest of the mode without them
+_WITHOUT_INDUCTOR_GRAPHS = {"reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
+def _asks_for_inductor_graphs(settings: CompileSettings) -> bool:
+    return settings.mode in _WITHOUT_INDUCTOR_GRAPHS or bool(dict(settings.options or ()).get("triton.cudagraphs"))
+
+
+def settings_for_engine(settings: CompileSettings, engine_name: str) -> CompileSettings:
+    """The settings an engine compiles with: never with inductor's own CUDA graphs.
+
+    Inductor's graphs (``mode="reduce-overhead"``, ``"max-autotune"``, option
+    ``triton.cudagraphs``) write each call's outputs into memory the next call overwrites, while
+    fasttrain keeps per-step losses and norms on the device until the flush; and inside the
+    graphed engine's capture they would be a graph inside a graph. So "max-autotune" becomes
+    "max-autotune-no-cudagraphs" (the autotuning is kept) everywhere, and "reduce-overhead",
+    whose whole effect is inductor's graphs, is what ``engine="cudagraph"`` does for the whole
+    step: the graphed engine (and ``"auto"``, which may pick it) compile without it, and
+    ``engine="compiled"`` refuses it (raised at ``Trainer`` construction).
+    """
+    if not _asks_for_inductor_graphs(settings):
+        return settings
+    if engine_name == "compiled" and (settings.mode == "reduce-overhead" or settings.options is not None):
+        raise ValueError(
+            "compile_options asks for inductor's CUDA graphs (mode='reduce-overhead' or "
+            "options={'triton.cudagraphs': True}), whose outputs are overwritten by the next call "
+            "while fasttrain still holds them until the flush. Use engine='cudagraph' (or 'auto'), "
+            "which captures the whole step in CUDA graphs itself, or drop the option."
+        )
+    mode = _WITHOUT_INDUCTOR_GRAPHS.get(settings.mode, settings.mode)
+    options = settings.options
+    if options is not None:
+        options = tuple(sorted({**dict(options), "triton.cudagraphs": False}.items()))
+    return dataclasses.replace(settings, mode=mode, options=options)
+
+
+# ---------------------------------------------------------------------------- compiled bodies
+def _train_forward(ctx: StepContext, batch):
+    batch_output = ctx.trainer.calculate_train_batch_loss(batch)
+    return batch_output, ctx.loss_for_backward(batch_output)
+
+
+def _update(ctx: StepContext):
+    norm = ctx.clip()
+    ctx.trainer.optimizer_step()
+    return norm
+
+
+def _eval_forward(ctx: StepContext, batch):
+    with torch.no_grad():
+        return ctx.trainer.calculate_eval_batch_loss(batch)
+
+
+def _private_copy(fn: Callable) -> Callable:
+    # Dynamo keeps its cache of compiled graphs on the code object. A copy per trainer keeps one
+    # trainer's graphs (and dynamo's recompile limit, 8 per code object) apart from another's,
+    # so many trainers in one process neither evict each other's graphs nor pay for checking
+    # each other's guards on every call.
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+TRAIN_HOOK = "calculate_train_batch_loss"
+EVAL_HOOK = "calculate_eval_batch_loss"
+_FORWARD_BODIES = {TRAIN_HOOK: _train_forward, EVAL_HOOK: _eval_forward}
+#: what dynamo raises under fullgraph=True where it would break the graph (an unsupported call,
+#: data-dependent control flow): compiling with breaks can still take the hook
+_TRACE_ERRORS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                 torch._dynamo.exc.UncapturedHigherOrderOpError)
+
+
+class _CompiledFunctions:
+    """The three compiled callables of one trainer, kept across ``train()`` calls so that a
+    second run with the same shapes reuses the graphs of the first.
+
+    Each forward hook is first compiled whole (unless ``fullgraph=False``); :meth:`allow_breaks`
+    replaces it with a compile that accepts graph breaks, where the whole trace failed."""
+
+    def __init__(self, settings: CompileSettings):
+        self.settings = settings
+        whole = settings.fullgraph is not False
+        self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
+        self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
+        self.update = with_logger_calls_ignored(torch.compile(
+            _private_copy(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
+        ))
+
+    def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
+        # a logger call in a hook (transformers' models make them) is no graph break
+        compiled = torch.compile(_private_copy(_FORWARD_BODIES[hook]), **self.settings.kwargs(fullgraph=whole))
+        return CountingCall(with_logger_calls_ignored(compiled))
+
+    @property
+    def train_forward(self) -> CountingCall:
+        return self._forwards[TRAIN_HOOK]
+
+    @property
+    def eval_forward(self) -> CountingCall:
+        return self._forwards[EVAL_HOOK]
+
+    def may_break(self, hook: str, error: BaseException) -> bool:
+        """Whether ``hook``, which failed with ``error``, goes on compiled with graph breaks: it
+        was traced whole because ``fullgraph`` was not given, and the trace met a graph break."""
+        return self.settings.fullgraph is None and self._whole[hook] and isinstance(error, _TRACE_ERRORS)
+
+    def allow_breaks(self, hook: str) -> None:
+        self._forwards[hook] = self._compile_forward(hook, whole=False)
+        self._whole[hook] = False
+
+    def is_whole(self, hook: str) -> bool:
+        return self._whole[hook]
+
+    def report(self, hook: str) -> Optional[HookGraphs]:
+        return self._forwards[hook].report
+
+
+_FUNCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_functions(owner, settings: CompileSettings) -> _CompiledFunctions:
+    """The compiled functions of ``owner`` (the trainer, or what outlives it: see
+    ``StepContext.compile_owner``) for ``settings``, made on first use."""
+    per_trainer: Dict[CompileSettings, _CompiledFunctions] = _FUNCTIONS.setdefault(owner, {})
+    key = settings
+    try:
+        hash(key)
+    except TypeError:  # options dict or a callable backend without a hash: no reuse
+        return _CompiledFunctions(settings)
+    if key not in per_trainer:
+        per_trainer[key] = _CompiledFunctions(settings)
+    return per_trainer[key]
