@@ -113,7 +113,8 @@ class KeepsHyperparams(TrainerCallback):
         group = trainer.optimizer.param_groups[0]
         trainer.run_history.update_metric("lr", group["lr"])
         trainer.run_history.update_metric("beta1", group["betas"][0])
-        trainer.run_history.update_metric("last_lr", trainer.scheduler.get_last_lr()[0])
+        if trainer.scheduler is not None:
+            trainer.run_history.update_metric("last_lr", trainer.scheduler.get_last_lr()[0])
 
 
 @pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
@@ -140,3 +141,34 @@ def test_a_callback_keeping_the_learning_rate_records_each_steps_value_as_eager(
         assert ours == eager and len(set(eager)) > 5, (metric, ours[:5], eager[:5])
     group = runs[engine].optimizer.param_groups[0]
     assert group["lr"] == runs["eager"].optimizer.param_groups[0]["lr"] and type(group["lr"]) is float
+
+
+class SchedulesInsideTheUpdate(Trainer):
+    """Steps a scheduler of its own inside ``optimizer_step``, which the compiled engine compiles:
+    the scheduler writes the learning rate tensor lent to the group in place."""
+
+    def optimizer_step(self):
+        self.optimizer.step()
+        self.own_schedule.step()
+
+
+def test_a_scheduler_stepped_inside_the_compiled_update_moves_the_groups_rate_as_in_eager():
+    case = mlp_case(epochs=2, create_scheduler_fn=None)
+    runs = {}
+    for name, options in (("eager", None), ("compiled", AOT)):
+        torch.manual_seed(0)
+        model = case.model()
+        optimizer = case.optimizer(model)
+        trainer = SchedulesInsideTheUpdate(model, case.loss, optimizer, callbacks=[KeepsHyperparams()],
+                                           engine=name, compile_options=options)
+        trainer.own_schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        trainer.train(train_dataset=case.data(), num_epochs=case.epochs, per_device_batch_size=case.batch_size,
+                      **case.train_kwargs)
+        runs[name] = trainer
+    assert runs["compiled"].active_engine == "compiled"
+    eager, ours = (runs[n].run_history.get_metric_values("lr") for n in ("eager", "compiled"))
+    # the value written inside the compiled call is read back from the (CPU) tensor: float32
+    assert ours == pytest.approx(eager, rel=1e-6) and all(type(v) is float for v in ours)
+    assert len(set(eager)) > 5 and eager[-1] < eager[0]  # it did move
+    for key, value in runs["eager"].get_model().state_dict().items():
+        torch.testing.assert_close(runs["compiled"].get_model().state_dict()[key], value, rtol=1e-4, atol=1e-5)
