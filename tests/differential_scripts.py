@@ -171,7 +171,9 @@ def recording_trainer_class(lib: Lib, custom_event: Optional[str] = None):
 
         def scheduler_step(self):
             super().scheduler_step()
-            self.lrs.append(float(self.optimizer.param_groups[0]["lr"]))
+            # the group's value as it is: a tensor written in place would show its last value
+            # at every entry when the outcome is made
+            self.lrs.append(self.optimizer.param_groups[0]["lr"])
 
         def train_epoch_end(self):
             super().train_epoch_end()
@@ -212,7 +214,7 @@ def outcome(trainer, **extra) -> Outcome:
         weights={k: v.detach().clone() for k, v in model.state_dict().items()},
         history=history_of(trainer),
         events=list(trainer.recorder.events),
-        extra={"lrs": list(trainer.lrs), "num_optimizer_steps": trainer.num_optimizer_steps, **extra},
+        extra={"lrs": [float(lr) for lr in trainer.lrs], "num_optimizer_steps": trainer.num_optimizer_steps, **extra},
     )
 
 
@@ -257,12 +259,12 @@ def script_clip_value(lib: Lib, clip: Optional[float] = 0.05) -> Outcome:
     return outcome(trainer)
 
 
-def script_one_cycle(lib: Lib) -> Outcome:
+def script_one_cycle(lib: Lib, **trainer_kwargs) -> Outcome:
     """OneCycleLR built from placeholders, with accumulation so that updates per epoch differ
     from the dataloader length."""
     P = lib.TrainerPlaceholderValues
     model = make_model()
-    trainer = build_trainer(lib, model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    trainer = build_trainer(lib, model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), **trainer_kwargs)
     factory = functools.partial(
         torch.optim.lr_scheduler.OneCycleLR,
         max_lr=0.1,
