@@ -7,6 +7,7 @@ scales with the number of graphs, not with the model.
 from __future__ import annotations
 
 import functools
+import warnings
 import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -280,6 +281,16 @@ def run(case: Case, engine: str, compile_options: Optional[dict] = None, device=
     trainer.train(**kwargs)
     state = {k: v.detach().float().cpu().clone() for k, v in trainer.get_model().state_dict().items()}
     return Run(recorder, trainer, state)
+
+
+def eager_and(case: Case, engine: str, compile_options: Optional[dict] = None, **overrides):
+    """``case`` run eagerly, then on ``engine``: ``(eager run, other run, fasttrain's warnings of
+    the other run)``."""
+    eager = run(case, "eager", **overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other = run(case, engine, compile_options, **overrides)
+    return eager, other, fasttrain_warnings(caught)
 
 
 def assert_runs_match(expected: Run, actual: Run, rtol=1e-4, atol=1e-5):

@@ -8,7 +8,6 @@ equality.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 
@@ -378,44 +377,3 @@ def test_a_subclass_clipping_in_its_own_clip_gradients_matches(original, ours, e
         ds.weights_close(a.weights, b.weights)
     by_value = ds.script_clip_value(ours, clip=1.0)  # what the default clipping gives
     assert not torch.allclose(by_value.weights["head.weight"], b.weights["head.weight"])
-
-
-# ----------------------------------------------------------------------------- the compiled engine
-COMPILED = {"engine": "compiled", "compile_options": {"backend": "aot_eager"}}
-SCRIPTS_UNDER_COMPILE = {
-    # name: (script, accumulation the original's train_loss_epoch is divided by)
-    "plain": (ds.script_plain, 1),
-    "accumulation": (ds.script_accumulation, 3),
-    "max-steps-mid-accumulation": (lambda lib: ds.script_max_steps(lib, accumulation=3), 3),
-    "evaluate": (ds.script_evaluate, 1),
-    "custom-event": (ds.script_custom_event, 1),
-}
-
-
-@pytest.mark.parametrize("script", sorted(SCRIPTS_UNDER_COMPILE))
-def test_the_scripts_match_the_original_under_the_compiled_engine(original, ours, script):
-    # the same scripts through fasttrain's compiled step: run history (losses to compile's
-    # rounding), events, update counts, learning rates and weights as under pytorch-accelerated
-    run, accumulation = SCRIPTS_UNDER_COMPILE[script]
-    a = run(original)
-    compiled = dataclasses.replace(ours, trainer_kwargs={**ours.trainer_kwargs, **COMPILED})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        b = run(compiled)
-    assert not [str(w.message) for w in caught if "fasttrain:" in str(w.message)]
-    ds.weights_close(a.weights, b.weights, rtol=1e-4, atol=1e-6)
-    history_a = dict(a.history)
-    if "train_loss_epoch" in history_a:
-        history_a["train_loss_epoch"] = [v * accumulation for v in history_a["train_loss_epoch"]]
-    assert_history_close(history_a, b.history, rel=1e-4)
-    assert a.events == b.events
-    assert a.extra["num_optimizer_steps"] == b.extra["num_optimizer_steps"]
-    assert a.extra["lrs"] == b.extra["lrs"]
-
-
-def test_finetuning_matches_the_original_under_the_compiled_engine(original, ours):
-    a = ds.script_finetuning(original, fresh_trainer_for_second_phase=True)
-    b = ds.script_finetuning(dataclasses.replace(ours, trainer_kwargs={**ours.trainer_kwargs, **COMPILED}))
-    # unfreezing adds a parameter group between the runs: the second phase's update holds it
-    ds.weights_close(a.weights, b.weights, rtol=1e-4, atol=1e-6)
-    assert b.history["eval_loss_epoch"][2:] == pytest.approx(a.history["eval_loss_epoch"], rel=1e-4)

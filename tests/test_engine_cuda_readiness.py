@@ -21,7 +21,9 @@ from fasttrain.callbacks import TrainerCallback
 from fasttrain.engine import ENGINES, CudaGraphEngine, recompile_limit
 from fasttrain.kernels import _multi_tensor as multi_tensor
 
-from engine_cases import MLP, Case, CountsCaptureFrames, assert_runs_match, fasttrain_warnings, mlp_case, run, vector_data
+from engine_cases import (
+    MLP, Case, CountsCaptureFrames, assert_runs_match, eager_and, fasttrain_warnings, mlp_case, run, vector_data,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -201,11 +203,30 @@ def test_a_hook_reading_a_per_step_value_is_not_replayed_stale_on_a_device(dynam
     from test_engine_step_values import ScalesByStep
 
     case = mlp_case(epochs=2, trainer_cls=ScalesByStep)
-    eager = run(case, "eager", device="cuda", eval_dataset=None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        graphed = run(case, "cudagraph", device="cuda", eval_dataset=None)
-    ours = fasttrain_warnings(caught)
+    eager, graphed, ours = eager_and(case, "cudagraph", device="cuda", eval_dataset=None)
     assert graphed.trainer.active_engine != "cudagraph", ours
     assert ours and "ctx.trainer.step_count ==" in ours[0], ours
+    assert_runs_match(eager, graphed)
+
+
+class CountsUpdates(Trainer):
+    """Counts its optimizer_step calls on itself, inside the compiled update."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.updates = 0
+
+    def optimizer_step(self):
+        self.updates += 1
+        super().optimizer_step()
+
+
+def test_a_counter_changed_inside_the_step_is_not_left_at_its_captured_value_on_a_device():
+    # a real replay runs no Python: the counter would stop at its value at the capture (the CPU
+    # twin: test_differential_engines.py); the capture is refused and every update counts
+    case = mlp_case(epochs=2, trainer_cls=CountsUpdates)
+    eager, graphed, ours = eager_and(case, "cudagraph", device="cuda", eval_dataset=None)
+    assert len(ours) == 1 and "CountsUpdates.updates (int: " in ours[0], ours
+    assert graphed.trainer.active_engine == "compiled"
+    assert graphed.trainer.updates == eager.trainer.updates == 2 * 5
     assert_runs_match(eager, graphed)

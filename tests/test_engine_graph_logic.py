@@ -127,11 +127,15 @@ class HostGraphEngine(CudaGraphEngine):
         rings = [r for r in (self._train_ring, self._eval_ring) if r is not None]
         extra = [t for r in rings for t in (r.losses.buffer, r.aux)] + list(self.ctx.mutated_flags())
         snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=extra)
+        # a capture draws no random numbers from the generator (a replay advances it by what the
+        # graph draws, where the step run eagerly would): dropout in the replays sees eager's stream
+        rng = torch.get_rng_state()
         try:
             with _host_reads_raise():
                 outputs = body()
         finally:
             snapshot.restore()  # a capture records the step without running it, even one that fails
+            torch.set_rng_state(rng)
         graph = HostGraph(body)
         HostGraphEngine.graphs.append(graph)
         return graph, outputs

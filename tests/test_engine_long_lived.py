@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from fasttrain.engine import ENGINES, cudagraph, long_lived
+from fasttrain.engine import ENGINES, cudagraph, graph_eval, long_lived
 from fasttrain.engine.graph_buffers import StaticBatch
 from fasttrain.engine.long_lived import LongLivedTensors
 
@@ -63,7 +63,8 @@ class PlacedStaticBatch(StaticBatch):
 def recording(monkeypatch):
     PlacementRecordingEngine.made_inside = []
     monkeypatch.setitem(ENGINES, "cudagraph", PlacementRecordingEngine)
-    monkeypatch.setattr(cudagraph, "StaticBatch", PlacedStaticBatch)
+    monkeypatch.setattr(cudagraph, "StaticBatch", PlacedStaticBatch)  # training's
+    monkeypatch.setattr(graph_eval, "StaticBatch", PlacedStaticBatch)  # evaluation's
 
 
 def test_state_gradients_and_static_buffers_are_made_in_the_long_lived_context_and_train_as_eager(recording):

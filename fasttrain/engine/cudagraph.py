@@ -7,13 +7,14 @@ Two training graphs are captured, lazily, the first time each is needed after wa
 * an update micro-step: the same, then gradient clipping, ``optimizer_step`` and
   ``zero_grad(set_to_none=False)``;
 
-and one evaluation graph (the compiled ``calculate_eval_batch_loss`` under ``no_grad``). Each graph
-also writes its loss (and grad norm, token count) into a device ring with the fused
-``accumulate_loss_`` kernel, so the host gets views it can keep until the next flush.
+and one evaluation graph (the compiled ``calculate_eval_batch_loss`` under ``no_grad``;
+:mod:`fasttrain.engine.graph_eval`). Each graph also writes its loss (and grad norm, token count)
+into a device ring with the fused ``accumulate_loss_`` kernel, so the host gets views it can keep
+until the next flush. When a step is captured, and why one is not: :mod:`fasttrain.engine.capture_policy`.
 
 A replay is: copy the batch into the static input buffers, replay, hand back ring views. The
-scheduler step and callbacks run on the host between replays; the scheduler writes the learning
-rate tensor the graph reads, in place. Nothing in the captured region may read a device value
+scheduler step and callbacks run on the host between replays; a learning rate the scheduler set
+is copied into the tensor the graph reads before the next replay (:mod:`fasttrain.engine.hyperparams`). Nothing in the captured region may read a device value
 on the host: capture runs under ``torch.cuda.set_sync_debug_mode("error")``, so such a read
 raises before it happens, and the engine falls back to the compiled engine with one warning
 naming the hook. The first steps (warm-up) run the compiled engine's path on a side stream;
@@ -29,8 +30,8 @@ Requirements: a CUDA device, one process (DDP capture needs DDP built on a side 
 accelerate does not do; FSDP2 steps are never captured, see ``FSDP2_REASON``), SGD/Adam/AdamW
 (foreach ones captured with ``capturable=True``, fused ones as they are), no fp16 loss scaling, batches of one shape and the epoch's
 last, smaller one (any other change of shape falls back to the compiled engine), and hooks whose
-Python control flow does not change between steps (a graph replays the kernels recorded at
-capture).
+Python control flow does not change between steps and that change no Python state inside the
+step (a graph replays the kernels recorded at capture; :mod:`fasttrain.engine.host_state`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,21 @@ from typing import Dict, Optional
 
 import torch
 
-from fasttrain.engine.compiled import CompiledEngine, _is_control_flow, describe_error
+from fasttrain.engine.capture_policy import (
+    FSDP2_REASON,
+    MAX_OFF_GRAPH_SHAPES,
+    MAX_RECAPTURES,
+    MIN_WARMUP_STEPS,
+    OVERLAPPING_BATCH_REASON,
+    WARM_RUNS_OF_THE_LAST_SHAPE,
+    WARMUP_STEPS_PER_SHAPE,
+    WARMUP_UPDATES,
+    CaptureRefused,
+    failing_hook,
+    refusal_reason,
+    refuse_changed,
+)
+from fasttrain.engine.compiled import CompiledEngine, _is_control_flow
 from fasttrain.engine.compiled_functions import CompileSettings
 from fasttrain.engine.compile_events import (
     CompileMark,
@@ -57,48 +72,13 @@ from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, 
 from fasttrain.engine.graph_grads import GradientKeeper
 from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
 from fasttrain.engine.long_lived import LongLivedTensors
+from fasttrain.engine.graph_eval import GraphedEvaluation
+from fasttrain.engine.host_state import HostStateWatch
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
 from fasttrain.kernels import hold_chunk_tables
 
-#: compiled runs of one batch shape before it is captured (the first compiles)
-WARMUP_STEPS_PER_SHAPE = 2
-#: updates run (compiled) before the update graph is captured
-WARMUP_UPDATES = 2
-#: micro-steps before the first capture; PyTorch's capture guide warms up three iterations
-MIN_WARMUP_STEPS = 3
-#: captures again after a hook changed what a graph was captured with, before the engine stops
-#: capturing (a change made at every step would otherwise re-capture forever)
-MAX_RECAPTURES = 3
-#: batch shapes other than the captured one (the last, partial batch of the training and of the
-#: evaluation epoch, captured as graphs of their own) before shapes count as dynamic
-MAX_OFF_GRAPH_SHAPES = 1
-#: runs of the partial batch's shape before it is captured: its first run compiles it
-WARM_RUNS_OF_THE_LAST_SHAPE = 1
-
-
-#: why no sharded (FSDP2) step is captured; the compiled engine runs it instead
-FSDP2_REASON = (
-    "FSDP2 steps are not captured: FSDP2 all-gathers parameters and reduce-scatters gradients "
-    "from per-module hooks on streams of its own, with host-side state per step (which modules are "
-    "unsharded, the gradient-sync flag of accumulation), none of which a replayed graph would "
-    "redo; the compiled engine compiles each sharded block instead"
-)
-
-
-#: why a batch whose tensors' elements overlap is not captured
-OVERLAPPING_BATCH_REASON = (
-    "a batch tensor's elements overlap in memory (an expand()ed view), a layout the static input "
-    "buffers cannot copy into, so the captured step would be traced again for another layout; "
-    "make it contiguous (or clone it) in the collate function"
-)
-
-
-class _CaptureRefused(RuntimeError):
-    """Raised when a captured step would not replay correctly."""
-
-
-class CudaGraphEngine(DeviceCapture, CompiledEngine):
+class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
     """Replays captured CUDA graphs of whole micro-steps; see the module docstring."""
 
     name = "cudagraph"
@@ -109,22 +89,16 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         #: graphs of the batch shape, by update; those of the epoch's last, partial batch
         self._train_graphs: Dict[bool, CapturedStep] = {}
         self._last_graphs: Dict[bool, CapturedStep] = {}
-        self._eval_graph: Optional[CapturedStep] = None
-        self._eval_last_graph: Optional[CapturedStep] = None
         self._static: Optional[StaticBatch] = None
         self._last_static: Optional[StaticBatch] = None
-        self._eval_static: Optional[StaticBatch] = None
-        self._eval_last_static: Optional[StaticBatch] = None
         self._train_ring: Optional[StepRing] = None
-        self._eval_ring: Optional[StepRing] = None
+        self._init_eval_graphs()
         self._warm = Counter()
-        self._eval_warm = Counter()
         self._warm_steps = 0
         self._warm_updates = 0
         #: warm updates that read nothing on the host (the masked skip armed, or no check)
         self._sync_free_updates = 0
         self._off_graph_shapes = set()
-        self._eval_off_graph_shapes = set()
         self._stream = None
         self._pool = None
         self._own_zero_grad = True
@@ -134,7 +108,6 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._long_lived = LongLivedTensors()
         # the model each graph was captured with (a callback may swap trainer.model)
         self._graphed_model = None
-        self._eval_graphed_model = None
         self._last_trainable = ()
         self._recaptures = 0
         #: per graph, the captures in a row during which the hooks compiled again
@@ -359,6 +332,7 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         effects = self.ctx.host_effects
         mark = effects.mark()
         compiles = CompileMark()
+        host_state = HostStateWatch(self._hook_owners())
         try:
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
@@ -366,10 +340,11 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
                 graph, (batch_output, norm) = self._capture_lent(lambda: self._train_body(static.tree, update, zero_grad))
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
             if any(p.grad is not grad for p, grad in grads):
-                raise _CaptureRefused(
+                raise CaptureRefused(
                     "a hook replaced or removed gradient tensors during capture; call "
                     "zero_grad(set_to_none=False) in optimizer_zero_grad"
                 )
+            refuse_changed(host_state)
             if compiles.saw_changed_values():
                 # the warm-up compiled everything a capture runs, unless the step's Python reads a
                 # value that changed since (compile_events.py): that value would replay for good
@@ -379,12 +354,14 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
             if _is_control_flow(error):
                 raise
             references.restore()
+            host_state.restore()  # the step that runs instead changes them once
             self._drop_graphs()
-            stale = is_stale(error, compiles, _CaptureRefused)
+            stale = is_stale(error, compiles, CaptureRefused)
             if stale and self._stale.capture_again_later(("train", last, update)):
                 return self._warmup_step(batch, update, signature)
-            reason = stale_capture_reason(compiles) if stale else describe_error(error)
-            self._fall_back_train(compiling_hook(compiles, self._hook) if stale else self._hook, reason, CompiledEngine)
+            reason = stale_capture_reason(compiles) if stale else refusal_reason(error)
+            hook = compiling_hook(compiles, self._hook) if stale else failing_hook(error, self._hook)
+            self._fall_back_train(hook, reason, CompiledEngine)
             return self.train_step(batch, update)
         self._stale.kept(("train", last, update))
         self._grads.remember(params)  # the tensors this graph writes into
@@ -416,6 +393,13 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
                 hparams.hand_back()
 
         return self._capture(lent_body)
+
+    def _hook_owners(self) -> list:
+        # the objects whose attributes the step's hooks may change: the trainer, its model and
+        # the module under a wrapper (DDP's, or the step module of a LightningModule)
+        model = self.trainer.model
+        owners = [self.trainer, model, getattr(model, "module", None)]
+        return [(owner, type(owner).__name__) for owner in owners if owner is not None]
 
     def _train_body(self, batch, update: bool, zero_grad):
         trainer = self.trainer
@@ -534,10 +518,6 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._graphed_model = None
         self._static = self._last_static = None
 
-    def _drop_eval_graphs(self) -> None:
-        self._eval_graph = self._eval_last_graph = None
-        self._eval_static = self._eval_last_static = self._eval_graphed_model = None
-
     def _graphs_held(self) -> bool:
         return bool(self._train_graphs or self._last_graphs) or self._eval_graph is not None or self._eval_last_graph is not None
 
@@ -550,96 +530,3 @@ class CudaGraphEngine(DeviceCapture, CompiledEngine):
         self._drop_train_graphs()
         self._drop_eval_graphs()
         self._return_cached_memory()
-
-    # ------------------------------------------------------------------ evaluation
-    def eval_step(self, batch) -> dict:
-        if self._eval_fallback is not None:
-            return self._eval_fallback.eval_step(batch)
-        signature = batch_signature(batch)
-        captured = self._eval_graph
-        if captured is not None and self.trainer.model is not self._eval_graphed_model:
-            # ModelEmaCallback evaluates its EMA model by swapping it in: not the graphed one
-            return super().eval_step(batch)
-        if captured is not None:
-            if signature == self._eval_static.signature:
-                return self._replay_eval(captured, batch)
-            self._eval_off_graph_shapes.add(signature)
-            if len(self._eval_off_graph_shapes) > MAX_OFF_GRAPH_SHAPES:
-                self._fall_back_eval(
-                    "calculate_eval_batch_loss",
-                    "the evaluation batches change shape (dynamic shapes); a CUDA graph replays one shape",
-                    CompiledEngine,
-                    redo=False,
-                )
-                return self.eval_step(batch)
-            # the last, partial batch: a graph of its own in the shared pool, as in training
-            last = self._eval_last_graph
-            if last is not None:
-                return self._replay_eval(last, batch)
-            if self._eval_warm[signature] >= WARM_RUNS_OF_THE_LAST_SHAPE:
-                return self._capture_eval(batch, signature, last=True)
-            self._release_graphs()
-        if self._eval_warm[signature] >= WARMUP_STEPS_PER_SHAPE:
-            return self._capture_eval(batch, signature)
-        return self._eval_warmup_step(batch, signature)
-
-    def _eval_warmup_step(self, batch, signature) -> dict:
-        # on the side stream the graphs are captured on, as in training (_warmup_step)
-        with self._on_side_stream():
-            batch_output = super().eval_step(batch)
-        self._eval_warm[signature] += 1
-        return batch_output
-
-    def _replay_eval(self, captured: CapturedStep, batch) -> dict:
-        if self._hparams is not None:
-            self._hparams.write()
-        captured.static.load(batch)
-        batch_output = captured.replay()[0]
-        if captured.effects is not None:
-            self.ctx.host_effects.redo(captured.effects)
-        return batch_output
-
-    def _capture_eval(self, batch, signature, last: bool = False) -> dict:
-        with self._long_lived_allocations():
-            static = StaticBatch(batch)
-        if static.signature != signature:
-            self._fall_back_eval("calculate_eval_batch_loss", OVERLAPPING_BATCH_REASON, CompiledEngine, redo=False)
-            return self.eval_step(batch)
-        ring = self._eval_ring
-
-        def body():
-            self._hook = "calculate_eval_batch_loss"
-            batch_output = self._functions.eval_forward(self.ctx, static.tree)
-            ring.record(batch_output, None)
-            return batch_output
-
-        effects = self.ctx.host_effects
-        mark = effects.mark()
-        compiles = CompileMark()
-        try:
-            graph, batch_output = self._capture_lent(body)
-            taken = effects.taken_since(mark)  # raises where a replay could not redo them
-            if compiles.saw_changed_values():
-                raise StaleCapture(stale_capture_reason(compiles))  # as in training
-        except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
-            effects.discard(mark)
-            if _is_control_flow(error):
-                raise
-            self._drop_eval_graphs()
-            stale = is_stale(error, compiles, _CaptureRefused)
-            if stale and self._stale.capture_again_later(("eval", last, False)):
-                return self._eval_warmup_step(batch, signature)  # the next one captures
-            reason = stale_capture_reason(compiles) if stale else describe_error(error)
-            self._fall_back_eval(self._hook, reason, CompiledEngine)
-            return self.eval_step(batch)
-        self._stale.kept(("eval", last, False))
-        captured = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
-        captured.effects = taken
-        del batch_output  # what the step keeps is in the CapturedStep
-        captured.static = static
-        if last:
-            self._eval_last_graph, self._eval_last_static = captured, static
-        else:
-            self._eval_graph, self._eval_static = captured, static
-        self._eval_graphed_model = self.trainer.model
-        return self._replay_eval(captured, batch)
