@@ -47,7 +47,9 @@ echo "ci torch $TORCH_VERSION: installed in $((SECONDS - start)) s"
 # too. Tests marked slow (soaks, many trainers) run on 2.13 only.
 shopt -s nullglob
 TESTS=(
+    tests/test_differential*.py
     tests/test_engine*.py
+    tests/test_finetuning.py
     tests/test_kernels*.py
     tests/test_fsdp*.py
     tests/test_distributed.py

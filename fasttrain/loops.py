@@ -20,6 +20,7 @@ def train_epoch(trainer, train_dl) -> bool:
     trainer.train_epoch_start()
     handler = trainer.callback_handler
     handler.call_event("on_train_epoch_start", trainer)
+    trainer._engine.start_train_epoch()  # after the callbacks, which may unfreeze layers
     buffer = trainer._train_buffer = StepMetricsBuffer("train", trainer.run_history.current_epoch)
     k = trainer.run_config.gradient_accumulation_steps
     max_updates = trainer.run_config.max_num_train_steps

@@ -196,3 +196,29 @@ def test_a_metric_called_in_the_steps_runs_outside_the_graphs_and_the_steps_stay
         trainer.fit(UpdatesAMetric(), train_loader(), val_loader())
     assert not [str(w.message) for w in caught if "fasttrain" in str(w.message)]
     assert trainer.engine == "compiled" and trainer._runner.compile_options == {"backend": "aot_eager"}
+
+
+class UnfreezesAfterTheFirstEpoch(L.Callback):
+    """Trains only the head in the first epoch, then the whole network (a finetuning schedule)."""
+
+    def on_fit_start(self, trainer, module):
+        module.net[0].requires_grad_(False)
+
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch == 1:
+            module.net[0].requires_grad_(True)
+
+
+def test_a_layer_unfrozen_at_an_epoch_start_trains_on_the_compiled_engine_as_under_lightning():
+    # torch 2.11 traced the step again for no change of requires_grad: the unfrozen layer got no
+    # gradient and kept its weights (engine/trainable.py)
+    torch.manual_seed(0)
+    initial = Classifier().net[0].weight.detach().clone()
+    lt, lm, ft, fm = fit_both(
+        Classifier, train_loader,
+        trainer_kwargs=dict(max_epochs=3, callbacks=[UnfreezesAfterTheFirstEpoch()]),
+        fasttrain_kwargs=dict(engine="compiled", compile_options={"backend": "aot_eager"}),
+    )
+    assert ft.engine == "compiled"
+    assert not torch.allclose(fm.net[0].weight, initial)
+    assert_same_weights(lm, fm, atol=1e-5)

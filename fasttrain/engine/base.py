@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from fasttrain.engine.context import StepContext, in_one_process
+from fasttrain.engine.trainable import notice_trainable_change
 
 
 class StepEngine:
@@ -42,6 +43,13 @@ class StepEngine:
     # called once per train()/evaluate(), after accelerate has prepared model and optimizer
     def setup(self) -> None:
         pass
+
+    def start_train_epoch(self) -> None:
+        """At each training epoch's start, after the ``on_train_epoch_start`` callbacks (where
+        finetuning unfreezes layers): code dynamo compiled with other parameters trainable is
+        traced again where dynamo would not notice (engine/trainable.py). Every engine: a model
+        the user compiled runs under the eager engine too."""
+        notice_trainable_change(self.trainer.model)
 
     def train_step(self, batch, update: bool) -> dict:  # pragma: no cover - interface
         raise NotImplementedError

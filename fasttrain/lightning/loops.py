@@ -161,6 +161,7 @@ def run_fit(lt, runner) -> None:
         # the batch it stopped at, on a fresh iterator: the epoch takes the loader's first
         # remaining-count batches, as Lightning's does
         first = state.begin_epoch(lambda: hooks("on_train_epoch_start"), num_batches, k)
+        engine.start_train_epoch()  # after the hooks, which may unfreeze layers
         if epoch_loop.restarting and not state._resumed_after_validation and _should_validate(
             lt, first - 1, batches.is_last_batch
         ):
