@@ -393,11 +393,7 @@ class CompiledEngine(StepEngine):
         if hparams is None:
             return compiled(self.ctx, *args)
         hparams.write()
-        hparams.lend()
-        try:
-            return compiled(self.ctx, *args)
-        finally:
-            hparams.hand_back()
+        return hparams.lent(compiled, self.ctx, *args)
 
     def _check_settings(self, hparams: TensorHyperparams) -> None:
         changes = hparams.changed_settings()

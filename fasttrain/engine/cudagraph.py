@@ -384,15 +384,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         if hparams is None:
             return self._capture(body)
         hparams.write()
-
-        def lent_body():
-            hparams.lend()
-            try:
-                return body()
-            finally:
-                hparams.hand_back()
-
-        return self._capture(lent_body)
+        return self._capture(lambda: hparams.lent(body))
 
     def _hook_owners(self) -> list:
         # the objects whose attributes the step's hooks may change: the trainer, its model and

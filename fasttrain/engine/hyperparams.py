@@ -26,7 +26,7 @@ tensor (the fused kernel has an overload for it).
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -307,6 +307,15 @@ class TensorHyperparams:
             if held.betas is not None:
                 group["betas"] = held.betas
                 held.betas_versions = (held.betas[0]._version, held.betas[1]._version)
+
+    def lent(self, fn: Callable, *args):
+        """``fn(*args)`` with the held tensors lent to the groups (:meth:`lend`), and the groups'
+        own values given back after it, also when it raises (:meth:`hand_back`)."""
+        self.lend()
+        try:
+            return fn(*args)
+        finally:
+            self.hand_back()
 
     def hand_back(self) -> None:
         """Give the groups their own values back after a compiled call. A value the call
