@@ -34,7 +34,6 @@ instead gave wrong losses in torch 2.13.
 from __future__ import annotations
 
 import functools
-import types
 import warnings
 from typing import List, Optional, Tuple, Type
 
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 from fasttrain.blocks import ModuleTypes, as_module_types, outermost_blocks
+from fasttrain.engine.compile_cache import with_own_dynamo_cache
 
 __all__ = ["compile_regions", "compiled_region_names", "cpp_wrapper_options", "find_repeated_blocks"]
 
@@ -68,12 +68,6 @@ def _call_block(block: nn.Module, *args, **kwargs):
     return getattr(block, _MARK).forward(*args, **kwargs)
 
 
-def _private_copy(fn):
-    # Dynamo keys its cache (and its recompile limit, 8 entries) on the code object: a copy per
-    # block class keeps classes apart
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
 class _Region:
     """The compiled forms of one block class's forward, shared by all blocks of that class."""
 
@@ -82,7 +76,8 @@ class _Region:
         if backend is not None:
             compile_kwargs = {key: value for key, value in compile_kwargs.items() if key not in ("mode", "options")}
             compile_kwargs["backend"] = backend
-        self.compiled = torch.compile(_private_copy(_call_block), **compile_kwargs)
+        # a cache per block class
+        self.compiled = torch.compile(with_own_dynamo_cache(_call_block), **compile_kwargs)
         # inside an enclosing compile: a graph break, then this compiled forward (an inner
         # torch.compile would only be inlined into the enclosing trace otherwise). disable()
         # unwraps a compiled function to its source, so it is given a caller of it.

@@ -15,6 +15,7 @@ from torch import nn
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 from fasttrain.engine import trainable
+from fasttrain.engine.compile_cache import with_own_dynamo_cache
 from fasttrain.engine.trainable import dynamo_sees_requires_grad_changes, notice_trainable_change
 
 from engine_cases import MLP, mlp_case
@@ -30,8 +31,7 @@ def test_the_probe_says_what_dynamo_does_and_draws_no_random_number():
     layer = nn.Linear(2, 1)
     layer.requires_grad_(False)
     holder = types.SimpleNamespace(layer=layer)
-    fn = types.FunctionType(_loss.__code__.replace(), _loss.__globals__, "_loss")
-    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
+    compiled = torch.compile(with_own_dynamo_cache(_loss), backend="aot_eager", fullgraph=True, dynamic=False)
     compiled(holder, torch.ones(1, 2))
     layer.requires_grad_(True)
     sees = compiled(holder, torch.ones(1, 2)).requires_grad

@@ -1,4 +1,10 @@
-"""Inductor's on-disk compile caches, one per process of a sharded run.
+"""Compile caches: dynamo's in memory, one per function where it must be; Inductor's on disk, one per
+process of a sharded run.
+
+Dynamo keeps its cache of compiled code (and its recompile limit, 8 entries) on the code object:
+:func:`with_own_dynamo_cache` gives a function a code object of its own, so that what is compiled
+from it (one trainer's step functions, one block class's forward, a probe) neither evicts nor is
+checked against what was compiled from another copy.
 
 Under FSDP2 every process compiles the same code over its own shards, and the shards of a
 parameter need not have the same shape on every process (5 rows over 2 processes are 3 and 2; a
@@ -12,9 +18,17 @@ its own per process keeps the caching (a second run still starts warm) without t
 from __future__ import annotations
 
 import os
+import types
+from typing import Callable
 
 _CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 _chosen = None  # the directory set here, so that later runs of the process keep it
+
+
+def with_own_dynamo_cache(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: a cache of compiled code (and a recompile limit) of
+    its own."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def separate_compile_cache_per_process() -> None:

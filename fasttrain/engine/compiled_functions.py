@@ -23,14 +23,14 @@ is compiled with ``fullgraph=False``.
 from __future__ import annotations
 
 import dataclasses
-import types
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 
 from fasttrain.engine import recompile_limit
+from fasttrain.engine.compile_cache import with_own_dynamo_cache
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.graph_report import CountingCall, HookGraphs
 from fasttrain.engine.logging_calls import with_logger_calls_ignored
@@ -143,14 +143,6 @@ def _eval_forward(ctx: StepContext, batch):
         return ctx.trainer.calculate_eval_batch_loss(batch)
 
 
-def _private_copy(fn: Callable) -> Callable:
-    # Dynamo keeps its cache of compiled graphs on the code object. A copy per trainer keeps one
-    # trainer's graphs (and dynamo's recompile limit, 8 per code object) apart from another's,
-    # so many trainers in one process neither evict each other's graphs nor pay for checking
-    # each other's guards on every call.
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
 TRAIN_HOOK = "calculate_train_batch_loss"
 EVAL_HOOK = "calculate_eval_batch_loss"
 _FORWARD_BODIES = {TRAIN_HOOK: _train_forward, EVAL_HOOK: _eval_forward}
@@ -173,12 +165,12 @@ class _CompiledFunctions:
         self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
         self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
         self.update = with_logger_calls_ignored(torch.compile(
-            _private_copy(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
+            with_own_dynamo_cache(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
         ))
 
     def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
         # a logger call in a hook (transformers' models make them) is no graph break
-        compiled = torch.compile(_private_copy(_FORWARD_BODIES[hook]), **self.settings.kwargs(fullgraph=whole))
+        compiled = torch.compile(with_own_dynamo_cache(_FORWARD_BODIES[hook]), **self.settings.kwargs(fullgraph=whole))
         return CountingCall(with_logger_calls_ignored(compiled))
 
     @property

@@ -3,7 +3,7 @@
 Dynamo keeps compiled code per code object and stops compiling a code object after
 ``torch._dynamo.config.recompile_limit`` (8) entries that guard on the same objects, running it
 uncompiled from then on. fasttrain's own compiled functions are private copies per trainer
-(``compiled_functions._private_copy``), but the optimizer step goes through torch's code: the
+(``compile_cache.with_own_dynamo_cache``), but the optimizer step goes through torch's code: the
 ``Optimizer.step`` wrappers and the optimizer's functions, which dynamo compiles as separate
 frames after the graph break torch's optimizers make on purpose. Those code objects are shared by
 every optimizer in the process, their entries guard on the optimizer's class, and so the ninth

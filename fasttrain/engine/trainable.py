@@ -26,6 +26,8 @@ import weakref
 
 import torch
 
+from fasttrain.engine.compile_cache import with_own_dynamo_cache
+
 #: the model -> ``requires_grad`` of each of its parameters at the last epoch start
 _LAST_SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -69,8 +71,7 @@ def dynamo_sees_requires_grad_changes() -> bool:
             layer = torch.nn.Linear(2, 1)
         layer.requires_grad_(False)
         holder = types.SimpleNamespace(layer=layer)
-        code = _frozen_layer_loss.__code__.replace()  # a code object of its own: a cache of its own
-        fn = types.FunctionType(code, _frozen_layer_loss.__globals__, "_frozen_layer_loss")
+        fn = with_own_dynamo_cache(_frozen_layer_loss)
         compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
         x = torch.ones(1, 2)
         compiled(holder, x)
