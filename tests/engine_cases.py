@@ -252,7 +252,10 @@ def mlp_case(trainer_cls=Trainer, epochs=3, **train_kwargs) -> Case:
     )
 
 
-def run(case: Case, engine: str, compile_options: Optional[dict] = None, device=None, log_every_n_steps=3, **overrides) -> Run:
+def run(case: Case, engine: str, compile_options: Optional[dict] = None, device=None, log_every_n_steps=3,
+        callbacks=(), **overrides) -> Run:
+    """``case`` trained on ``engine`` from seed 0, with the recorder and ``callbacks``; ``overrides``
+    add to or replace the ``train()`` arguments."""
     torch.manual_seed(0)
     model = case.model()
     if device is not None:
@@ -262,7 +265,7 @@ def run(case: Case, engine: str, compile_options: Optional[dict] = None, device=
         model,
         case.loss,
         case.optimizer(model),
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         engine=engine,
         log_every_n_steps=log_every_n_steps,
         compile_options=compile_options,

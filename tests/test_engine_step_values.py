@@ -123,17 +123,8 @@ def test_a_callback_keeping_the_learning_rate_records_each_steps_value_as_eager(
     # calls the groups hold the scheduler's floats, so what a callback keeps is that step's value
     # (a tensor written in place would leave every entry showing the last one, with no error)
     case = mlp_case(epochs=2)
-    runs = {}
-    for name, options in (("eager", None), (engine, AOT)):
-        torch.manual_seed(0)
-        model = case.model()
-        trainer = Trainer(model, case.loss, case.optimizer(model), callbacks=[KeepsHyperparams()], engine=name,
-                          compile_options=options)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train(train_dataset=case.data(), num_epochs=case.epochs, per_device_batch_size=case.batch_size,
-                          **case.train_kwargs)
-        runs[name] = trainer
+    runs = {name: run(case, name, options, callbacks=[KeepsHyperparams()], eval_dataset=None).trainer
+            for name, options in (("eager", None), (engine, AOT))}
     assert runs[engine].active_engine == engine
     for metric in ("lr", "beta1", "last_lr"):
         eager, ours = (runs[n].run_history.get_metric_values(metric) for n in ("eager", engine))
@@ -147,28 +138,23 @@ class SchedulesInsideTheUpdate(Trainer):
     """Steps a scheduler of its own inside ``optimizer_step``, which the compiled engine compiles:
     the scheduler writes the learning rate tensor lent to the group in place."""
 
+    def __init__(self, model, loss_func, optimizer, **kwargs):
+        super().__init__(model, loss_func, optimizer, **kwargs)
+        self.own_schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+
     def optimizer_step(self):
         self.optimizer.step()
         self.own_schedule.step()
 
 
 def test_a_scheduler_stepped_inside_the_compiled_update_moves_the_groups_rate_as_in_eager():
-    case = mlp_case(epochs=2, create_scheduler_fn=None)
-    runs = {}
-    for name, options in (("eager", None), ("compiled", AOT)):
-        torch.manual_seed(0)
-        model = case.model()
-        optimizer = case.optimizer(model)
-        trainer = SchedulesInsideTheUpdate(model, case.loss, optimizer, callbacks=[KeepsHyperparams()],
-                                           engine=name, compile_options=options)
-        trainer.own_schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-        trainer.train(train_dataset=case.data(), num_epochs=case.epochs, per_device_batch_size=case.batch_size,
-                      **case.train_kwargs)
-        runs[name] = trainer
-    assert runs["compiled"].active_engine == "compiled"
-    eager, ours = (runs[n].run_history.get_metric_values("lr") for n in ("eager", "compiled"))
+    case = mlp_case(epochs=2, trainer_cls=SchedulesInsideTheUpdate, create_scheduler_fn=None)
+    runs = {name: run(case, name, options, callbacks=[KeepsHyperparams()], eval_dataset=None)
+            for name, options in (("eager", None), ("compiled", AOT))}
+    assert runs["compiled"].trainer.active_engine == "compiled"
+    eager, ours = (runs[n].trainer.run_history.get_metric_values("lr") for n in ("eager", "compiled"))
     # the value written inside the compiled call is read back from the (CPU) tensor: float32
     assert ours == pytest.approx(eager, rel=1e-6) and all(type(v) is float for v in ours)
     assert len(set(eager)) > 5 and eager[-1] < eager[0]  # it did move
-    for key, value in runs["eager"].get_model().state_dict().items():
-        torch.testing.assert_close(runs["compiled"].get_model().state_dict()[key], value, rtol=1e-4, atol=1e-5)
+    for key, value in runs["eager"].state.items():
+        torch.testing.assert_close(runs["compiled"].state[key], value, rtol=1e-4, atol=1e-5)

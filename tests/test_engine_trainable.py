@@ -6,19 +6,17 @@ and never trained, with no error)."""
 from __future__ import annotations
 
 import types
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 from fasttrain.engine import trainable
 from fasttrain.engine.compile_cache import with_own_dynamo_cache
 from fasttrain.engine.trainable import dynamo_sees_requires_grad_changes, notice_trainable_change
 
-from engine_cases import MLP, mlp_case
+from engine_cases import MLP, mlp_case, run
 from test_engine_graph_logic import AOT, host_graphs  # noqa: F401
 
 
@@ -73,22 +71,15 @@ class UnfreezesAtEpoch(TrainerCallback):
 
 @pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
 def test_layers_unfrozen_at_an_epoch_start_train_as_in_eager(engine):
-    case = mlp_case(epochs=3)
+    case = mlp_case(epochs=3, gradient_clip_norm=None, create_scheduler_fn=None)
     case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     torch.manual_seed(0)
     initial = MLP().state_dict()
     runs = {}
     for name, options in (("eager", None), (engine, AOT)):
-        torch.manual_seed(0)
-        model = case.model()
-        trainer = Trainer(model, case.loss, case.optimizer(model), callbacks=[UnfreezesAtEpoch()], engine=name,
-                          compile_options=options)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train(train_dataset=case.data(), num_epochs=3, per_device_batch_size=8,
-                          train_dataloader_kwargs={"shuffle": False}, gradient_accumulation_steps=2)
-        runs[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        assert trainer.active_engine == name
+        result = run(case, name, options, callbacks=[UnfreezesAtEpoch()], eval_dataset=None)
+        assert result.trainer.active_engine == name
+        runs[name] = result.state
     first_layer = "net.0.weight"
     assert not torch.allclose(runs[engine][first_layer], initial[first_layer])  # it trained
     for key, value in runs["eager"].items():
