@@ -230,3 +230,16 @@ def test_a_counter_changed_inside_the_step_is_not_left_at_its_captured_value_on_
     assert graphed.trainer.active_engine == "compiled"
     assert graphed.trainer.updates == eager.trainer.updates == 2 * 5
     assert_runs_match(eager, graphed)
+
+
+def test_a_value_back_at_one_compiled_before_is_not_replayed_as_captured_on_a_device():
+    # a loss weight set per epoch, 1.0 and 0.5 in turn: from the third epoch on both variants are
+    # compiled and no capture compiles; the graphs' guards fail at the first replay after a change
+    # and the step is captured again (the CPU twin: test_engine_step_guards.py)
+    from test_engine_step_guards import AlternatingWeight, WeighsItsLoss
+
+    case = mlp_case(epochs=4, trainer_cls=WeighsItsLoss)
+    eager, graphed, ours = eager_and(case, "cudagraph", device="cuda", callbacks=[AlternatingWeight((1.0, 0.5))])
+    assert ours == []
+    assert graphed.trainer.active_engine == "cudagraph" and graphed.trainer._engine._recaptures >= 1
+    assert_runs_match(eager, graphed)

@@ -12,11 +12,12 @@ Whether real capture works is for ``test_engine_cudagraph.py`` on a GPU.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import counters, orig_code_map
 
 from fasttrain import Trainer
 from fasttrain.engine import ENGINES
@@ -48,24 +49,50 @@ HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__")
 class HostGraph:
     """A recorded step; its replay runs the step's Python again. A real replay runs only the
     kernels the capture recorded, with the Python values the capture saw: where the step's Python
-    would now take another path, dynamo compiles it again (its guards failed), and the stand-in
-    says so rather than replaying what a device would not."""
+    would now take another path, dynamo compiles it again (its guards failed) or runs another of
+    the variants it compiled before, and the stand-in says so rather than replaying what a device
+    would not."""
 
-    def __init__(self, body):
+    def __init__(self, body, compiled_code):
         self._body = body
+        #: the compiled code objects the capture ran, in order (see _compiled_code_run)
+        self.compiled_code = compiled_code
         self.replays = 0
 
     def replay(self):
         self.replays += 1
         before = compiles_so_far()
         try:
-            self._body()
+            ran = _compiled_code_run(self._body)[1]
         finally:
             if compiles_so_far() != before:
                 raise StaleReplay(
                     "a replay compiled the step again: its Python reads values that changed since "
                     "the capture, which a CUDA graph would replay unchanged (no error on a device)"
                 )
+        if ran != self.compiled_code:
+            raise StaleReplay(
+                "a replay ran other compiled code than its capture (another variant dynamo compiled "
+                "for other Python values): a CUDA graph would replay the captured one (no error on "
+                "a device)"
+            )
+
+
+def _compiled_code_run(body):
+    """``body()``'s result, and the code objects dynamo compiled that it ran, in order."""
+    ran = []
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code in orig_code_map:
+            ran.append(frame.f_code)
+
+    previous = sys.getprofile()
+    sys.setprofile(note)
+    try:
+        result = body()
+    finally:
+        sys.setprofile(previous)
+    return result, ran
 
 
 class StaleReplay(AssertionError):
@@ -132,11 +159,11 @@ class HostGraphEngine(CudaGraphEngine):
         rng = torch.get_rng_state()
         try:
             with _host_reads_raise():
-                outputs = body()
+                outputs, compiled_code = _compiled_code_run(body)
         finally:
             snapshot.restore()  # a capture records the step without running it, even one that fails
             torch.set_rng_state(rng)
-        graph = HostGraph(body)
+        graph = HostGraph(body, compiled_code)
         HostGraphEngine.graphs.append(graph)
         return graph, outputs
 

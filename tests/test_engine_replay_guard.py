@@ -87,8 +87,8 @@ class StrictHostGraph(HostGraph):
     """A stand-in graph that, like a real one, can only write the gradient tensors and optimizer
     state it was captured with: a replay on anything else fails instead of silently working."""
 
-    def __init__(self, body, optimizer):
-        super().__init__(body)
+    def __init__(self, recorded: HostGraph, optimizer):
+        super().__init__(recorded._body, recorded.compiled_code)
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.grads = [p.grad for p in self.params]
@@ -105,7 +105,7 @@ class StrictEngine(HostGraphEngine):
         graph, outputs = super()._capture(body)
         from fasttrain.engine.hyperparams import inner_optimizer
 
-        return StrictHostGraph(body, inner_optimizer(self.trainer.optimizer)), outputs
+        return StrictHostGraph(graph, inner_optimizer(self.trainer.optimizer)), outputs
 
 
 class ClearGradientsAt(TrainerCallback):

@@ -185,3 +185,38 @@ def test_a_step_reading_the_batch_index_and_global_step_is_not_replayed_stale(gr
     assert len(ours) == 2, ours
     assert "compiled again while it was captured" in ours[0] and "lightning_graphed.py" in ours[0], ours
     assert "'compiled'" in ours[0] and "recompile_limit" in ours[1] and "'eager'" in ours[1], ours
+
+
+class WeighsByTheBatchIndex(Classifier):
+    """Weighs the training and validation losses by the batch index: values that come back every
+    epoch, each compiled by the end of the first, so that no later capture compiles."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y) * (1.0 + 0.1 * batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y) * (1.0 + 0.1 * batch_idx))
+
+
+def test_a_step_weighed_by_the_batch_index_trains_as_under_lightning(graphed_engine):
+    # the graphs' guards (step_guards.py) fail at the next batch's replay: the steps are captured
+    # again, then run compiled
+    lt, lm, ft, fm = fit_both(
+        WeighsByTheBatchIndex, train_loader, val_loader, trainer_kwargs=dict(max_epochs=4),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    assert ft.engine == "compiled" and ft._runner._engine.active_eval_engine == "compiled"
+    assert ft.global_step == lt.global_step == 24
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
+    # the warning names the batch index
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(max_epochs=4, engine="cudagraph", compile_options=AOT, **QUIET)
+        trainer.fit(WeighsByTheBatchIndex(), train_loader())
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert len(ours) == 1 and ".batch_idx ==" in ours[0] and "'compiled' engine" in ours[0], ours

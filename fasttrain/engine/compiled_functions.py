@@ -23,6 +23,7 @@ is compiled with ``fullgraph=False``.
 from __future__ import annotations
 
 import dataclasses
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -145,6 +146,7 @@ def _eval_forward(ctx: StepContext, batch):
 
 TRAIN_HOOK = "calculate_train_batch_loss"
 EVAL_HOOK = "calculate_eval_batch_loss"
+UPDATE = "optimizer_step"
 _FORWARD_BODIES = {TRAIN_HOOK: _train_forward, EVAL_HOOK: _eval_forward}
 #: what dynamo raises under fullgraph=True where it would break the graph (an unsupported call,
 #: data-dependent control flow): compiling with breaks can still take the hook
@@ -162,15 +164,22 @@ class _CompiledFunctions:
     def __init__(self, settings: CompileSettings):
         self.settings = settings
         whole = settings.fullgraph is not False
+        #: the code object each compiled function runs from, by hook (``UPDATE`` for the update),
+        #: whose dynamo cache holds its compiled variants (step_guards.py)
+        self.codes: Dict[str, types.CodeType] = {}
         self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
         self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
+        update = with_own_dynamo_cache(_update)
+        self.codes[UPDATE] = update.__code__
         self.update = with_logger_calls_ignored(torch.compile(
-            with_own_dynamo_cache(_update), **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
+            update, **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
         ))
 
     def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
+        body = with_own_dynamo_cache(_FORWARD_BODIES[hook])
+        self.codes[hook] = body.__code__
         # a logger call in a hook (transformers' models make them) is no graph break
-        compiled = torch.compile(with_own_dynamo_cache(_FORWARD_BODIES[hook]), **self.settings.kwargs(fullgraph=whole))
+        compiled = torch.compile(body, **self.settings.kwargs(fullgraph=whole))
         return CountingCall(with_logger_calls_ignored(compiled))
 
     @property

@@ -31,7 +31,9 @@ accelerate does not do; FSDP2 steps are never captured, see ``FSDP2_REASON``), S
 (foreach ones captured with ``capturable=True``, fused ones as they are), no fp16 loss scaling, batches of one shape and the epoch's
 last, smaller one (any other change of shape falls back to the compiled engine), and hooks whose
 Python control flow does not change between steps and that change no Python state inside the
-step (a graph replays the kernels recorded at capture; :mod:`fasttrain.engine.host_state`).
+step (a graph replays the kernels recorded at capture; :mod:`fasttrain.engine.host_state`). Before
+each replay dynamo's guards of the compiled code the capture ran are checked on the host
+(:mod:`fasttrain.engine.step_guards`): a step whose Python values changed since is not replayed.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from fasttrain.engine.capture_policy import (
     refuse_changed,
 )
 from fasttrain.engine.compiled import CompiledEngine, _is_control_flow
-from fasttrain.engine.compiled_functions import CompileSettings
+from fasttrain.engine.compiled_functions import TRAIN_HOOK, UPDATE, CompileSettings
 from fasttrain.engine.compile_events import (
     CompileMark,
     StaleCapture,
@@ -76,6 +78,7 @@ from fasttrain.engine.graph_eval import GraphedEvaluation
 from fasttrain.engine.host_state import HostStateWatch
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
+from fasttrain.engine.step_guards import VALUE_ADVICE, ReplayGuards, changed_value_reason
 from fasttrain.kernels import hold_chunk_tables
 
 class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
@@ -349,6 +352,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
                 # the warm-up compiled everything a capture runs, unless the step's Python reads a
                 # value that changed since (compile_events.py): that value would replay for good
                 raise StaleCapture(stale_capture_reason(compiles))
+            guards = self._replay_guards(static.tree, update)
         except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
@@ -372,8 +376,27 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         del batch_output  # what the step keeps is in the CapturedStep
         captured.static = static
         captured.record = CaptureRecord(self.trainer.model, optimizer)
+        captured.guards = guards
         self._graphed_model = self.trainer.model
         return self._replay(captured, batch, update)
+
+    def _replay_guards(self, batch, update: bool) -> ReplayGuards:
+        # Right after a capture: the guards of the compiled variants it ran, with the arguments
+        # each call gets (the graph reads its batch from the static buffers; step_guards.py)
+        codes, ctx = self._functions.codes, self.ctx
+        calls = [(TRAIN_HOOK, codes[TRAIN_HOOK], lambda: {"ctx": ctx, "batch": batch})]
+        if update:
+            calls.append((UPDATE, codes[UPDATE], lambda: {"ctx": ctx}))
+        return ReplayGuards.taken(calls)
+
+    def _values_changed(self, captured: CapturedStep) -> Optional[tuple]:
+        # ``(hook, guard)`` where the step's Python would now run other compiled code than the
+        # graph's. Checked with the hyperparameter tensors lent to the groups, as the capture ran.
+        guards = captured.guards
+        if guards is None:
+            return None
+        hparams = self._hparams
+        return guards.failure() if hparams is None else hparams.lent(guards.failure)
 
     def _capture_lent(self, body):
         # The compiled functions are captured reading the held hyperparameter tensors, lent to
@@ -421,6 +444,13 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         if not self._replay_safe(captured):
             return self.train_step(batch, update)
         hparams.write()  # the scheduler's new values, into the tensors the graph reads
+        changed = self._values_changed(captured)
+        if changed is not None:
+            # the step's Python would run another compiled variant: this step runs compiled, and
+            # the graphs are captured again (or, where that keeps happening, no longer)
+            hook, guard = changed
+            self._recapture(changed_value_reason(guard), inner_optimizer(self.trainer.optimizer), hook, VALUE_ADVICE)
+            return self.train_step(batch, update)
         captured.static.load(batch)
         batch_output, norm = captured.replay()
         if captured.effects is not None:
@@ -465,16 +495,17 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
             self._eval_off_graph_shapes.clear()
             self._recapture(reason, inner_optimizer(self.trainer.optimizer))
 
-    def _recapture(self, reason: str, optimizer) -> None:
+    def _recapture(self, reason: str, optimizer, hook: Optional[str] = None, advice: str = "") -> None:
         self._drop_graphs()
         self._recaptures += 1
         if self._recaptures > MAX_RECAPTURES:
             self._fall_back_train(
-                None,
+                hook,
                 f"{reason} between steps, {self._recaptures} times this run, and each change needs "
                 "the step captured again",
                 CompiledEngine,
                 redo=False,
+                advice=advice,
             )
             return
         if optimizer is not self._hparams.optimizer:

@@ -192,6 +192,9 @@ class CapturedStep:
         self.static = None
         #: the step's host side effects to redo after each replay (StepContext.host_effects)
         self.effects = None
+        #: the guards of the compiled code the capture ran, checked before each replay
+        #: (:class:`~fasttrain.engine.step_guards.ReplayGuards`); set by the engine
+        self.guards = None
         #: a step output of another form than the trainer's dict, handed back as a copy
         self.plain_output = None if has_loss(batch_output) else pytree.tree_map(_detached, batch_output)
         if self.plain_output is not None or batch_output is None:

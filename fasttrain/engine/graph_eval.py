@@ -14,6 +14,7 @@ from typing import Optional
 
 from fasttrain.engine.capture_policy import (
     MAX_OFF_GRAPH_SHAPES,
+    MAX_RECAPTURES,
     OVERLAPPING_BATCH_REASON,
     WARM_RUNS_OF_THE_LAST_SHAPE,
     WARMUP_STEPS_PER_SHAPE,
@@ -24,8 +25,10 @@ from fasttrain.engine.capture_policy import (
 )
 from fasttrain.engine.compile_events import CompileMark, StaleCapture, is_stale, stale_capture_reason
 from fasttrain.engine.compiled import CompiledEngine, _is_control_flow
+from fasttrain.engine.compiled_functions import EVAL_HOOK
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.host_state import HostStateWatch
+from fasttrain.engine.step_guards import VALUE_ADVICE, ReplayGuards, changed_value_reason
 
 
 class GraphedEvaluation:
@@ -39,6 +42,8 @@ class GraphedEvaluation:
         self._eval_ring: Optional[StepRing] = None
         self._eval_warm = Counter()
         self._eval_off_graph_shapes = set()
+        #: evaluation graphs dropped because the step's Python values changed (step_guards.py)
+        self._eval_recaptures = 0
         # the model the evaluation graph was captured with (a callback may swap trainer.model)
         self._eval_graphed_model = None
 
@@ -83,6 +88,23 @@ class GraphedEvaluation:
     def _replay_eval(self, captured: CapturedStep, batch) -> dict:
         if self._hparams is not None:
             self._hparams.write()
+        changed = self._values_changed(captured)
+        if changed is not None:
+            # the step's Python would run another compiled variant (step_guards.py): this step
+            # runs compiled, and the graphs are captured again, or no longer where that repeats
+            self._drop_eval_graphs()
+            self._eval_warm.clear()
+            self._eval_recaptures += 1
+            if self._eval_recaptures > MAX_RECAPTURES:
+                self._fall_back_eval(
+                    changed[0],
+                    f"{changed_value_reason(changed[1])} between steps, {self._eval_recaptures} times "
+                    "this run, and each change needs the step captured again",
+                    CompiledEngine,
+                    redo=False,
+                    advice=VALUE_ADVICE,
+                )
+            return self.eval_step(batch)
         captured.static.load(batch)
         batch_output = captured.replay()[0]
         if captured.effects is not None:
@@ -113,6 +135,8 @@ class GraphedEvaluation:
             refuse_changed(host_state)  # predictions appended to a list, say
             if compiles.saw_changed_values():
                 raise StaleCapture(stale_capture_reason(compiles))  # as in training
+            ctx, tree = self.ctx, static.tree
+            guards = ReplayGuards.taken([(EVAL_HOOK, self._functions.codes[EVAL_HOOK], lambda: {"ctx": ctx, "batch": tree})])
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
@@ -128,6 +152,7 @@ class GraphedEvaluation:
         self._stale.kept(("eval", last, False))
         captured = CapturedStep(graph, batch_output, None, ring, keep_model_outputs=self.ctx.keeps_model_outputs("eval"))
         captured.effects = taken
+        captured.guards = guards
         del batch_output  # what the step keeps is in the CapturedStep
         captured.static = static
         if last:
