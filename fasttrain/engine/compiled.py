@@ -36,6 +36,7 @@ from fasttrain.engine.compile_cache import separate_compile_cache_per_process
 from fasttrain.engine.compiled_functions import (
     EVAL_HOOK,
     TRAIN_HOOK,
+    UPDATE,
     CompileSettings,
     compiled_functions,
     settings_for_engine,
@@ -68,6 +69,9 @@ class CompiledEngine(StepEngine):
     """Runs each micro-step through compiled functions of the trainer's hooks."""
 
     name = "compiled"
+    #: whether integers the hooks read that keep changing are compiled as symbolic values
+    #: (symbolic_ints.py); a captured graph would replay one as captured
+    symbolic_ints = True
     #: switch Adam/AdamW to capturable=True on CUDA: a device-side step counter (no host reads),
     #: which a tensor learning rate needs with the foreach implementation
     capturable_optimizer = True
@@ -282,8 +286,11 @@ class CompiledEngine(StepEngine):
             return self._train_elsewhere(batch, update, failure.error)
 
     def _train_elsewhere(self, batch, update: bool, error: BaseException) -> dict:
-        # A step that failed, and was undone, runs again: compiled with graph breaks where the
+        # A step that failed, and was undone, runs again: with the forward's constants where its
+        # copy with symbolic integers failed to compile, compiled with graph breaks where the
         # whole trace of the forward met one (and fullgraph was not given), else eagerly.
+        if self._hook == TRAIN_HOOK and self._functions.drop_symbolic(TRAIN_HOOK):
+            return self.train_step(batch, update)
         if self._hook == TRAIN_HOOK and self._functions.may_break(TRAIN_HOOK, error):
             self._functions.allow_breaks(TRAIN_HOOK)
             batch_output = self.train_step(batch, update)
@@ -313,7 +320,7 @@ class CompiledEngine(StepEngine):
         with self.no_sync_context(update):
             self._hook = TRAIN_HOOK
             try:
-                batch_output, loss = self._call(self._functions.train_forward, batch)
+                batch_output, loss = self._call(TRAIN_HOOK, batch)
             except Exception as error:  # noqa: BLE001
                 if _is_control_flow(error):
                     raise
@@ -372,7 +379,7 @@ class CompiledEngine(StepEngine):
             clipper.note_gradient_layout()
             self._clipper_noted = clipper
         self._hook = "optimizer_step"
-        norm = self._call(self._functions.update)
+        norm = self._call(UPDATE)
         if norm is not None:
             self.last_grad_norm = norm
         if trainer.scheduler is not None and not self.ctx.step_was_skipped():
@@ -385,15 +392,23 @@ class CompiledEngine(StepEngine):
     def zero_grad(self) -> None:
         self.trainer.optimizer_zero_grad()
 
-    def _call(self, compiled: Callable, *args):
-        """``compiled(ctx, *args)`` with the learning rates (and Adam's betas) in the optimizer's
-        groups as the held device tensors, which the compiled code reads as graph inputs; the
-        groups show their own values again after it (engine/hyperparams.py)."""
+    def _call(self, hook: str, *args):
+        """The compiled function of ``hook`` called with ``(ctx, *args)``, with the learning rates
+        (and Adam's betas) in the optimizer's groups as the held device tensors, which the
+        compiled code reads as graph inputs; the groups show their own values again after it
+        (engine/hyperparams.py). Then, where this engine takes them, the integers that keep
+        changing are noted (symbolic_ints.py)."""
+        functions = self._functions
+        compiled = functions.function(hook, self.symbolic_ints)
         hparams = self._hparams
         if hparams is None:
-            return compiled(self.ctx, *args)
-        hparams.write()
-        return hparams.lent(compiled, self.ctx, *args)
+            result = compiled(self.ctx, *args)
+        else:
+            hparams.write()
+            result = hparams.lent(compiled, self.ctx, *args)
+        if self.symbolic_ints:
+            functions.note_call(hook)
+        return result
 
     def _check_settings(self, hparams: TensorHyperparams) -> None:
         changes = hparams.changed_settings()
@@ -420,10 +435,12 @@ class CompiledEngine(StepEngine):
         if fallback is not None:
             return fallback.eval_step(batch)
         try:
-            batch_output = self._call(self._functions.eval_forward, batch)
+            batch_output = self._call(EVAL_HOOK, batch)
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: just redo it
             if _is_control_flow(error):
                 raise
+            if self._functions.drop_symbolic(EVAL_HOOK):
+                return self.eval_step(batch)  # its constants, as in training
             if self._functions.may_break(EVAL_HOOK, error):
                 self._functions.allow_breaks(EVAL_HOOK)
                 batch_output = self.eval_step(batch)

@@ -26,7 +26,7 @@ import dataclasses
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -35,6 +35,7 @@ from fasttrain.engine.compile_cache import with_own_dynamo_cache
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.graph_report import CountingCall, HookGraphs
 from fasttrain.engine.logging_calls import with_logger_calls_ignored
+from fasttrain.engine.symbolic_ints import MAX_COPIES, ChangingInts, WithDynamicSources
 
 COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
@@ -169,18 +170,71 @@ class _CompiledFunctions:
         self.codes: Dict[str, types.CodeType] = {}
         self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
         self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
-        update = with_own_dynamo_cache(_update)
-        self.codes[UPDATE] = update.__code__
-        self.update = with_logger_calls_ignored(torch.compile(
-            update, **settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs()
-        ))
+        self.update = self._compile_update()
+        #: per hook, the copy the compiled engine calls with the integers that keep changing
+        #: symbolic, and what it watches for them (symbolic_ints.py)
+        self._symbolic: Dict[str, WithDynamicSources] = {}
+        self._changing: Dict[str, ChangingInts] = {}
+        self._no_symbolic: set = set()
+        self._copies = 0
+
+    def _compile_update(self):
+        update, self.codes[UPDATE] = self._new_update()
+        return update
 
     def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
+        forward, self.codes[hook] = self._new_forward(hook, whole)
+        return forward
+
+    def _new_update(self) -> Tuple[Callable, types.CodeType]:
+        body = with_own_dynamo_cache(_update)
+        compiled = torch.compile(body, **self.settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs())
+        return with_logger_calls_ignored(compiled), body.__code__
+
+    def _new_forward(self, hook: str, whole: bool) -> Tuple[CountingCall, types.CodeType]:
         body = with_own_dynamo_cache(_FORWARD_BODIES[hook])
-        self.codes[hook] = body.__code__
         # a logger call in a hook (transformers' models make them) is no graph break
         compiled = torch.compile(body, **self.settings.kwargs(fullgraph=whole))
-        return CountingCall(with_logger_calls_ignored(compiled))
+        return CountingCall(with_logger_calls_ignored(compiled)), body.__code__
+
+    def function(self, hook: str, symbolic_ints: bool) -> Callable:
+        """What an engine calls for ``hook`` (``UPDATE`` for the update): with ``symbolic_ints``,
+        the forward's copy that takes the integers that keep changing as symbolic values, once
+        there is one."""
+        if symbolic_ints:
+            copy = self._symbolic.get(hook)
+            if copy is not None:
+                return copy
+        return self.update if hook == UPDATE else self._forwards[hook]
+
+    def note_call(self, hook: str) -> None:
+        """After a forward's call by an engine that takes symbolic integers: where an integer the
+        hook reads failed its guard a second time, later calls run a fresh copy compiled with it
+        (and those before it) symbolic. (The update's hooks, which run once per update, keep
+        their constants.)"""
+        if hook == UPDATE or hook in self._no_symbolic:
+            return
+        changing = self._changing.get(hook)
+        if changing is None:
+            changing = self._changing[hook] = ChangingInts(self.codes[hook])
+        sources = changing.newly_changing()
+        if sources is None or self._copies >= MAX_COPIES:
+            return
+        self._copies += 1
+        compiled, code = self._new_forward(hook, self._whole[hook])
+        self._symbolic[hook] = WithDynamicSources(compiled, ",".join(sources))
+        fresh = self._changing[hook] = ChangingInts(code)
+        fresh.symbolic.update(sources)
+
+    def drop_symbolic(self, hook: str) -> bool:
+        """After a call of ``hook`` failed before it ran (its compile): where that was the copy
+        with symbolic integers, drop it for good (a backend may not take an operation on them,
+        such as a modulo) and say so; the hook goes on with its constants."""
+        if self._symbolic.pop(hook, None) is None:
+            return False
+        self._changing.pop(hook, None)
+        self._no_symbolic.add(hook)
+        return True
 
     @property
     def train_forward(self) -> CountingCall:
@@ -198,6 +252,8 @@ class _CompiledFunctions:
     def allow_breaks(self, hook: str) -> None:
         self._forwards[hook] = self._compile_forward(hook, whole=False)
         self._whole[hook] = False
+        self._symbolic.pop(hook, None)  # a copy traced whole: made again, with breaks, if needed
+        self._changing.pop(hook, None)
 
     def is_whole(self, hook: str) -> bool:
         return self._whole[hook]

@@ -86,6 +86,9 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
 
     name = "cudagraph"
     setup_fallback = CompiledEngine
+    # a symbolic integer would be replayed at its captured value: the graphs' code keeps its
+    # constants and its guards, checked before each replay (step_guards.py)
+    symbolic_ints = False
 
     def __init__(self, ctx: StepContext, settings: Optional[CompileSettings] = None):
         super().__init__(ctx, settings)

@@ -1,0 +1,101 @@
+"""Python integers the hooks read that keep changing, compiled as symbolic values by the compiled
+engine.
+
+The engines compile with ``dynamic=False``, so that the batch shapes stay static: dynamo then
+compiles every integer a hook reads as a constant, behind a guard, and a new value compiles the
+hook again. A LightningModule that weighs its loss by ``self.current_epoch``, anneals by
+``self.global_step`` or branches on ``batch_idx % 100`` compiled once per value, and at dynamo's
+recompile limit (8) ran eagerly for the rest of the run.
+
+The compiled engine notes the guards that made one of its functions compile again (dynamo keeps
+them per code object in ``guard_failures``; one dict lookup per call while nothing recompiles). An
+integer whose guard failed twice (three values: a value that changed once, such as a stage set at
+the start, stays a constant) is named in ``torch.compiler.config.dynamic_sources`` while a fresh
+copy of that function runs: dynamo traces it as a symbolic integer, dominant over
+``dynamic=False``, and the copy compiles once for all its values (a branch on it guards on the
+branch's condition only). Only the compiled engine does this: a CUDA graph would replay a symbolic
+value as captured, so the graphed engine keeps its constants (and its guard checks, step_guards.py).
+Floats have no such switch in dynamo; a float that keeps changing still compiles per value.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from typing import Callable, Dict, List, Optional, Set
+
+import torch
+
+#: "<frame>/<entry>: <guard>  # <source line comment>": an integer equality guard on a value
+#: reached from the function's arguments, as dynamo records it in ``guard_failures``
+_INT_GUARD = re.compile(r"^\d+/\d+: ([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*) == (-?\d+)$")
+#: copies compiled with more symbolic integers before the engine stops adding them (a function
+#: whose integers keep appearing one by one meets dynamo's recompile limit instead)
+MAX_COPIES = 3
+
+
+def _failures() -> dict:
+    return getattr(torch._dynamo.utils, "guard_failures", {})
+
+
+def int_source(failure: str) -> Optional[str]:
+    """The source name dynamo gives the integer whose equality guard ``failure`` records
+    (``L['ctx'].trainer.batch_idx``), or None for any other guard."""
+    first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+    guard = " ".join(first.split("  #")[0].split())
+    match = _INT_GUARD.match(guard)
+    if match is None:
+        return None
+    name, path, _ = match.groups()
+    return f"L[{name!r}]{path}"
+
+
+class WithDynamicSources:
+    """Calls ``fn`` with ``sources`` added to ``torch.compiler.config.dynamic_sources`` (read when
+    dynamo traces; two attribute writes per call)."""
+
+    __slots__ = ("fn", "sources")
+
+    def __init__(self, fn: Callable, sources: str):
+        self.fn = fn
+        self.sources = sources
+
+    def __call__(self, *args):
+        config = torch.compiler.config
+        previous = config.dynamic_sources
+        config.dynamic_sources = f"{previous},{self.sources}" if previous else self.sources
+        try:
+            return self.fn(*args)
+        finally:
+            config.dynamic_sources = previous
+
+
+class ChangingInts:
+    """Per compiled function, the integers whose guards keep failing.
+
+    :param code: the code object whose dynamo cache the function compiles into.
+    """
+
+    def __init__(self, code: types.CodeType):
+        self.code = code
+        self._seen = 0
+        self._failed: Dict[str, int] = {}
+        #: the sources made symbolic so far
+        self.symbolic: Set[str] = set()
+
+    def newly_changing(self) -> Optional[List[str]]:
+        """After a call: the sources to make symbolic now (every one so far), or None. Host only."""
+        failures = _failures().get(self.code)
+        if not failures or len(failures) == self._seen:
+            return None
+        new, self._seen = failures[self._seen:], len(failures)
+        grown = False
+        for failure in new:
+            source = int_source(failure)
+            if source is None or source in self.symbolic:
+                continue
+            self._failed[source] = self._failed.get(source, 0) + 1
+            if self._failed[source] >= 2:
+                self.symbolic.add(source)
+                grown = True
+        return sorted(self.symbolic) if grown else None
