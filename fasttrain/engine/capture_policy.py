@@ -55,6 +55,12 @@ class HostStateChanged(CaptureRefused):
     """The step's hooks changed Python state that a replay would not change (host_state.py)."""
 
 
+def recaptured_too_often(change: str, times: int) -> str:
+    """Why a phase stops capturing after ``change`` made it capture again more than
+    :data:`MAX_RECAPTURES` times (for a warning)."""
+    return f"{change} between steps, {times} times this run, and each change needs the step captured again"
+
+
 def refusal_reason(error: BaseException) -> str:
     # a refusal says why in its own words; another error is named with its type
     return str(error) if isinstance(error, CaptureRefused) else describe_error(error)

@@ -78,15 +78,21 @@ def _is_global_state(guard: str) -> bool:
     return "global_state" in lowered or "global state" in lowered or "torch_function_mode_stack" in lowered
 
 
+#: what a user whose hooks read Python values that change between steps can do (the graphed
+#: engine's warnings, for a capture that compiled and for a replay whose guards failed)
+CHANGING_VALUE_ADVICE = (
+    "A CUDA graph replays the values its capture saw: keep values such as the batch index, the "
+    "epoch or step counters out of the compiled hooks (log from a callback), or pass them as tensors."
+)
+
+
 def stale_capture_reason(mark: CompileMark) -> str:
     """Why a step that compiled while it was captured is not kept as a graph (for a warning)."""
     failures = mark.guard_failures()
     which = f" (dynamo's guard that failed: {failures[-1][1][:300]})" if failures else ""
     return (
         "the step compiled again while it was captured: its hooks read a Python value that changes "
-        f"between steps{which}, and a CUDA graph would replay the value it saw at capture. Keep "
-        "values such as step counters or the batch index out of the compiled hooks (log them from "
-        "a callback), or pass them as tensors"
+        f"between steps{which}. {CHANGING_VALUE_ADVICE}"
     )
 
 

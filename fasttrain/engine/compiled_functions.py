@@ -170,17 +170,13 @@ class _CompiledFunctions:
         self.codes: Dict[str, types.CodeType] = {}
         self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
         self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
-        self.update = self._compile_update()
+        self.update, self.codes[UPDATE] = self._new_update()
         #: per hook, the copy the compiled engine calls with the integers that keep changing
         #: symbolic, and what it watches for them (symbolic_ints.py)
         self._symbolic: Dict[str, WithDynamicSources] = {}
         self._changing: Dict[str, ChangingInts] = {}
         self._no_symbolic: set = set()
         self._copies = 0
-
-    def _compile_update(self):
-        update, self.codes[UPDATE] = self._new_update()
-        return update
 
     def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
         forward, self.codes[hook] = self._new_forward(hook, whole)

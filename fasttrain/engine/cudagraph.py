@@ -54,12 +54,14 @@ from fasttrain.engine.capture_policy import (
     WARMUP_UPDATES,
     CaptureRefused,
     failing_hook,
+    recaptured_too_often,
     refusal_reason,
     refuse_changed,
 )
 from fasttrain.engine.compiled import CompiledEngine, _is_control_flow
 from fasttrain.engine.compiled_functions import TRAIN_HOOK, UPDATE, CompileSettings
 from fasttrain.engine.compile_events import (
+    CHANGING_VALUE_ADVICE,
     CompileMark,
     StaleCapture,
     StaleCaptures,
@@ -78,7 +80,7 @@ from fasttrain.engine.graph_eval import GraphedEvaluation
 from fasttrain.engine.host_state import HostStateWatch
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
-from fasttrain.engine.step_guards import VALUE_ADVICE, ReplayGuards, changed_value_reason
+from fasttrain.engine.step_guards import ReplayGuards, changed_value_reason
 from fasttrain.kernels import hold_chunk_tables
 
 class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
@@ -452,7 +454,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
             # the step's Python would run another compiled variant: this step runs compiled, and
             # the graphs are captured again (or, where that keeps happening, no longer)
             hook, guard = changed
-            self._recapture(changed_value_reason(guard), inner_optimizer(self.trainer.optimizer), hook, VALUE_ADVICE)
+            self._recapture(changed_value_reason(guard), inner_optimizer(self.trainer.optimizer), hook, CHANGING_VALUE_ADVICE)
             return self.train_step(batch, update)
         captured.static.load(batch)
         batch_output, norm = captured.replay()
@@ -503,12 +505,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         self._recaptures += 1
         if self._recaptures > MAX_RECAPTURES:
             self._fall_back_train(
-                hook,
-                f"{reason} between steps, {self._recaptures} times this run, and each change needs "
-                "the step captured again",
-                CompiledEngine,
-                redo=False,
-                advice=advice,
+                hook, recaptured_too_often(reason, self._recaptures), CompiledEngine, redo=False, advice=advice
             )
             return
         if optimizer is not self._hparams.optimizer:

@@ -20,15 +20,22 @@ from fasttrain.engine.capture_policy import (
     WARMUP_STEPS_PER_SHAPE,
     CaptureRefused,
     failing_hook,
+    recaptured_too_often,
     refusal_reason,
     refuse_changed,
 )
-from fasttrain.engine.compile_events import CompileMark, StaleCapture, is_stale, stale_capture_reason
+from fasttrain.engine.compile_events import (
+    CHANGING_VALUE_ADVICE,
+    CompileMark,
+    StaleCapture,
+    is_stale,
+    stale_capture_reason,
+)
 from fasttrain.engine.compiled import CompiledEngine, _is_control_flow
 from fasttrain.engine.compiled_functions import EVAL_HOOK
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.host_state import HostStateWatch
-from fasttrain.engine.step_guards import VALUE_ADVICE, ReplayGuards, changed_value_reason
+from fasttrain.engine.step_guards import ReplayGuards, changed_value_reason
 
 
 class GraphedEvaluation:
@@ -96,14 +103,8 @@ class GraphedEvaluation:
             self._eval_warm.clear()
             self._eval_recaptures += 1
             if self._eval_recaptures > MAX_RECAPTURES:
-                self._fall_back_eval(
-                    changed[0],
-                    f"{changed_value_reason(changed[1])} between steps, {self._eval_recaptures} times "
-                    "this run, and each change needs the step captured again",
-                    CompiledEngine,
-                    redo=False,
-                    advice=VALUE_ADVICE,
-                )
+                reason = recaptured_too_often(changed_value_reason(changed[1]), self._eval_recaptures)
+                self._fall_back_eval(changed[0], reason, CompiledEngine, redo=False, advice=CHANGING_VALUE_ADVICE)
             return self.eval_step(batch)
         captured.static.load(batch)
         batch_output = captured.replay()[0]

@@ -82,10 +82,3 @@ class ReplayGuards:
 def changed_value_reason(guard: str) -> str:
     """What changed when a graph's guards fail, for a warning."""
     return f"a Python value the step's hooks read changed (dynamo's guard that fails now: {guard[:300]})"
-
-
-#: what a user whose hooks read changing values can do
-VALUE_ADVICE = (
-    "A CUDA graph replays the values its capture saw: keep values such as the batch index, the "
-    "epoch or step counters out of the compiled hooks (log from a callback), or pass them as tensors."
-)
