@@ -1,5 +1,7 @@
 """The multi-process tests' launcher (tests/launching.py): a hung launch shows where each of its
-processes waits, leaves no process behind, and is retried once when the caller allows it."""
+processes waits, leaves no process behind, and is retried once when the caller allows it; a
+restartable launch whose collective waited for a peer until its timeout is started again from the
+beginning."""
 
 import sys
 import time
@@ -7,7 +9,16 @@ import time
 import psutil
 import pytest
 
-from launching import LaunchGroup, _with_fresh_port, finish, launch_env, start, torchrun_two, wait
+from launching import (
+    LaunchGroup,
+    _with_fresh_port,
+    finish,
+    launch_env,
+    run_restartable,
+    start,
+    torchrun_two,
+    wait,
+)
 
 # waits in a function of its own name, so that its stack can be recognised; hangs only on the
 # first run when MARKER is given (the marker file records that a run happened)
@@ -130,3 +141,51 @@ def test_a_restart_listens_on_a_fresh_port():
     assert fresh[0] == "torchrun" and fresh[3].startswith("--main_process_port=") and fresh[4:] == cmd[4:]
     assert fresh[2] != "1" and int(fresh[2]) > 0
     assert fresh[3] != "--main_process_port=2" and int(fresh[3].split("=")[1]) > 0
+
+
+# run by torchrun as ``peer.py OUT MARKER MESSAGE``: each process writes its rank's file into OUT;
+# on the first attempt (no MARKER yet) process 1 prints MESSAGE and fails, as a collective whose
+# peer never came does
+PEER_SCRIPT = """\
+import os, sys
+out, marker, message = sys.argv[1:]
+rank = os.environ["RANK"]
+first = not os.path.exists(marker + rank)
+open(marker + rank, "w").close()
+open(os.path.join(out, "rank" + rank), "w").write("first" if first else "second")
+if first and rank == "1":
+    print(message, flush=True)
+    raise SystemExit(1)
+"""
+
+
+@pytest.fixture
+def peer_script(tmp_path):
+    path = tmp_path / "peer.py"
+    path.write_text(PEER_SCRIPT)
+    return path
+
+
+@pytest.mark.multiprocess
+def test_a_restartable_launch_whose_peer_timed_out_starts_again_in_an_empty_directory(tmp_path, peer_script):
+    out = tmp_path / "out"
+    out.mkdir()
+    timeout = "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 120000ms for recv operation"
+    with pytest.warns(UserWarning, match="(?s)the launch failed on a collective that waited for a peer.*Timed out waiting"):
+        run_restartable(peer_script, out, tmp_path / "ran", timeout, max_restarts=0, timeout_s=120, what="the launch")
+    # the retry wrote into an empty directory; the first attempt's files and log are kept aside
+    assert sorted(p.name for p in out.iterdir()) == ["launch.log", "rank0", "rank1"]
+    assert {(out / f"rank{r}").read_text() for r in (0, 1)} == {"second"}
+    first = tmp_path / "out.attempt1"
+    assert {(first / f"rank{r}").read_text() for r in (0, 1)} == {"first"}
+    assert "Timed out waiting" in (first / "launch.log").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_restartable_launch_failing_otherwise_fails_at_once(tmp_path, peer_script):
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(pytest.fail.Exception, match="(?s)the launch failed \\(1\\).*ValueError: wrong shapes"):
+        run_restartable(peer_script, out, tmp_path / "ran", "ValueError: wrong shapes", max_restarts=0, timeout_s=120,
+                        what="the launch")
+    assert not (tmp_path / "out.attempt1").exists()

@@ -39,7 +39,7 @@ from fasttrain.callbacks import SaveTrainingStateCallback, TrainerCallback  # no
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_ckpt_worker import build_model, snapshot  # noqa: E402
-from worker_common import finish_worker  # noqa: E402
+from worker_common import dump_stacks_when_stalled, finish_worker  # noqa: E402
 
 IMPORTED = time.time()
 
@@ -47,6 +47,9 @@ NUM_SAMPLES, PER_DEVICE_BATCH, ACCUMULATION, EPOCHS, SAVE_EVERY = 48, 4, 2, 2, 3
 #: how long a collective waits for a process that hangs without dying (torch's default for gloo
 #: is 30 minutes, for NCCL 10): a hung run then fails, and torchrun restarts it
 PROCESS_GROUP_TIMEOUT_S = 120
+#: a process still running this long writes its stacks into the launch's log (again each time):
+#: before its peer's collective times out, so that a stall shows where it was
+STALL_S = PROCESS_GROUP_TIMEOUT_S / 2
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -157,6 +160,7 @@ def _decision_errors(out: Path) -> list:
 
 
 if __name__ == "__main__":
+    dump_stacks_when_stalled(STALL_S)
     out_dir, mode_arg, scenario_arg, step_arg, rank_arg = sys.argv[1:]
     main(Path(out_dir), mode_arg, scenario_arg, int(step_arg), int(rank_arg))
     finish_worker()

@@ -1,5 +1,6 @@
 """What the multi-process test workers share: recording their cases, running an example, and ending."""
 
+import faulthandler
 import importlib.util
 import os
 import sys
@@ -44,6 +45,13 @@ def run_worker(main, label: str) -> None:
     main(sys.argv[1:])
     print(f"[{label}] done in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
     finish_worker()
+
+
+def dump_stacks_when_stalled(seconds: float) -> None:
+    """Write the stacks of all this process's threads to stderr every ``seconds`` while it runs.
+    A worker whose peer waits in a collective until the process group's timeout (and then fails,
+    ending the launch before the launcher's own deadline dumps the stacks) shows where it was."""
+    faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
 
 
 def finish_worker() -> None:
