@@ -1,6 +1,6 @@
-"""The compiled engine takes a Python integer the hooks read that keeps changing as a symbolic
-value (fasttrain/engine/symbolic_ints.py): one more compile instead of one per value and, at
-dynamo's recompile limit, the eager engine."""
+"""The compiled engine takes a Python integer or float the hooks read that keeps changing as a
+symbolic value (fasttrain/engine/symbolic_ints.py): one more compile instead of one per value and,
+at dynamo's recompile limit, the eager engine."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch._dynamo
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
 from fasttrain.engine.compiled_functions import TRAIN_HOOK
-from fasttrain.engine.symbolic_ints import int_source
+from fasttrain.engine.symbolic_ints import scalar_source
 
 from engine_cases import assert_runs_match, eager_and, mlp_case
 
@@ -24,18 +24,21 @@ AOT_EAGER = {"backend": "aot_eager"}
 
 @pytest.mark.parametrize("failure, source", [
     ("0/3: ctx.trainer.batch_idx == 3                # w = 1 + batch_idx  # f.py:15 in training_step",
-     "L['ctx'].trainer.batch_idx"),
+     ("L['ctx'].trainer.batch_idx", False)),
     ("2/0: ctx.trainer.lt._module.seen == 0   # self.seen += 1  # m.py:9 in training_step (HINT: torch.compile "
      "considers integer attributes of the nn.Module to be static.)\nUser stack trace:\n  File ...",
-     "L['ctx'].trainer.lt._module.seen"),
-    ("0/1: ctx.trainer.hparams['warmup'] == -5  # x", "L['ctx'].trainer.hparams['warmup']"),
-    ("0/0: ctx.trainer.loss_weight == 0.5  # a float", None),
+     ("L['ctx'].trainer.lt._module.seen", False)),
+    ("0/1: ctx.trainer.hparams['warmup'] == -5  # x", ("L['ctx'].trainer.hparams['warmup']", False)),
+    ("0/0: ctx.trainer.loss_weight == 0.5  # a float", ("L['ctx'].trainer.loss_weight", True)),
+    ("0/2: ctx.trainer.loss_weight == -2.5e-07  # a small float", ("L['ctx'].trainer.loss_weight", True)),
+    ("0/2: ctx.trainer.scale == 1e+20  # a large float", ("L['ctx'].trainer.scale", True)),
     ("0/0: ctx.trainer.flag == True  # a bool", None),
+    ("0/0: ctx.trainer.loss_weight == inf  # specialized by dynamo", None),
     ("0/0: tensor 'batch[0]' size mismatch at index 0. expected 8, actual 6", None),
     ("0/0: ___check_obj_id(ctx.trainer.model, 1402)", None),
 ])
-def test_an_integer_guard_names_its_source_as_dynamo_does(failure, source):
-    assert int_source(failure) == source
+def test_a_number_guard_names_its_source_and_kind_as_dynamo_does(failure, source):
+    assert scalar_source(failure) == source
 
 
 class WeighsByItsStep(Trainer):
@@ -107,6 +110,68 @@ def test_a_copy_the_backend_cannot_compile_gives_way_to_the_constants(dynamos_ow
     assert_runs_match(eager, compiled)
 
 
+class WeighsByAFloat(Trainer):
+    """Scales the loss by a float weight that a callback anneals before each step."""
+
+    loss_weight = 1.0
+
+    def calculate_train_batch_loss(self, batch):
+        output = super().calculate_train_batch_loss(batch)
+        output["loss"] = output["loss"] * self.loss_weight
+        return output
+
+
+class AnnealsTheWeight(TrainerCallback):
+    def on_training_run_start(self, trainer, **kwargs):
+        self.steps = 0
+
+    def on_train_step_start(self, trainer, **kwargs):
+        trainer.loss_weight = 1.0 + 0.01 * self.steps
+        self.steps += 1
+
+
+@pytest.mark.parametrize("options", [AOT_EAGER, {}], ids=["aot_eager", "inductor"])
+def test_a_float_that_changes_every_step_is_compiled_once_more_and_trains_as_in_eager(dynamos_own_limits, options):
+    # 18 values: three constants (the third marks it), then the copy with a symbolic float
+    case = mlp_case(epochs=2, trainer_cls=WeighsByAFloat)
+    eager, compiled, messages = eager_and(case, "compiled", options, callbacks=[AnnealsTheWeight()], eval_dataset=None)
+    assert messages == []
+    assert compiled.trainer.active_engine == "compiled"
+    functions = compiled.trainer._engine._functions
+    assert functions._changing[TRAIN_HOOK].floats == {"L['ctx'].trainer.loss_weight"}
+    assert functions._symbolic[TRAIN_HOOK].sources == ""  # no integer to name
+    assert _forward_graphs(compiled.trainer) <= 5
+    assert_runs_match(eager, compiled)
+
+
+def _weighted(x, w):
+    return x * w
+
+
+def test_each_copy_of_a_function_has_a_code_object_unequal_to_the_others_under_the_same_name():
+    from fasttrain.engine.compile_cache import with_own_dynamo_cache
+
+    a, b = with_own_dynamo_cache(_weighted), with_own_dynamo_cache(_weighted)
+    # dynamo files guard failures by code object as a dict key (equality by value)
+    assert a.__code__ != b.__code__ and a.__code__ != _weighted.__code__
+    # and keeps what it saw of each value under file, line and name
+    for code in (a.__code__, b.__code__):
+        assert (code.co_filename, code.co_firstlineno, code.co_name) == (
+            _weighted.__code__.co_filename, _weighted.__code__.co_firstlineno, "_weighted")
+    assert a(3, 2) == b(3, 2) == 6
+
+
+def test_a_trainers_functions_count_only_the_guard_failures_of_their_own_compiles(dynamos_own_limits):
+    # an earlier trainer whose step index kept changing: a later one reads no step index at all
+    eager_and(mlp_case(epochs=1, trainer_cls=WeighsByItsStep), "compiled", AOT_EAGER, callbacks=[SetsTheStep()],
+              eval_dataset=None)
+    _, later, messages = eager_and(mlp_case(epochs=1), "compiled", AOT_EAGER, eval_dataset=None)
+    assert messages == []
+    functions = later.trainer._engine._functions
+    assert functions._symbolic == {} and functions._copies == 0
+    assert all(not changing.symbolic for changing in functions._changing.values())
+
+
 def test_the_graphed_engine_keeps_its_constants():
     from fasttrain.engine.compiled import CompiledEngine
     from fasttrain.engine.cudagraph import CudaGraphEngine
@@ -159,3 +224,34 @@ def test_a_lightning_module_counting_and_annealing_by_the_step_stays_compiled(dy
     # Lightning's run adds no graphs; fasttrain's compile in the first epochs only
     graphs = count.per_epoch[5:]
     assert graphs[-1] == graphs[-2] == graphs[-3]
+
+
+def test_a_lightning_module_weighing_its_losses_by_a_float_it_anneals_stays_compiled(dynamos_own_limits):
+    lm_helpers = _lightning()
+    import torch.nn.functional as F
+
+    class AnnealsAWeight(lm_helpers.Classifier):
+        def __init__(self):
+            super().__init__()
+            self.loss_weight = 1.0
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.loss_weight = 1.0 + 0.05 * (self.global_step + 1)
+
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * self.loss_weight
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_weighted", F.cross_entropy(self(x), y) * self.loss_weight)
+
+    torch._dynamo.reset()
+    lt, lm, ft, fm = lm_helpers.fit_both(
+        AnnealsAWeight, lm_helpers.train_loader, val_factory=lm_helpers.val_loader,
+        trainer_kwargs=dict(max_epochs=5),
+        fasttrain_kwargs=dict(engine="compiled", compile_options=AOT_EAGER),
+    )
+    assert ft.engine == "compiled"
+    assert fm.loss_weight == lm.loss_weight
+    lm_helpers.assert_same_weights(lm, fm, atol=1e-5)
+    lm_helpers.assert_same_metrics(lt.callback_metrics, ft.callback_metrics)

@@ -4,7 +4,11 @@ process of a sharded run.
 Dynamo keeps its cache of compiled code (and its recompile limit, 8 entries) on the code object:
 :func:`with_own_dynamo_cache` gives a function a code object of its own, so that what is compiled
 from it (one trainer's step functions, one block class's forward, a probe) neither evicts nor is
-checked against what was compiled from another copy.
+checked against what was compiled from another copy. Code objects compare equal by value, and dynamo
+files the guards that failed (``guard_failures``) under the code object as a dictionary key: each
+copy also carries a constant of its own, so that its failures are its own (symbolic_ints.py reads
+them), while its file, line and name, under which dynamo keeps what it saw of each value, are the
+original's.
 
 Under FSDP2 every process compiles the same code over its own shards, and the shards of a
 parameter need not have the same shape on every process (5 rows over 2 processes are 3 and 2; a
@@ -17,18 +21,23 @@ its own per process keeps the caching (a second run still starts warm) without t
 
 from __future__ import annotations
 
+import itertools
 import os
 import types
 from typing import Callable
 
 _CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 _chosen = None  # the directory set here, so that later runs of the process keep it
+_copies = itertools.count()
 
 
 def with_own_dynamo_cache(fn: Callable) -> Callable:
     """``fn`` with a code object of its own: a cache of compiled code (and a recompile limit) of
-    its own."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    its own, unequal to every other copy's (an unused constant appended: the bytecode's indices
+    of the others are unchanged)."""
+    code = fn.__code__
+    own = code.replace(co_consts=code.co_consts + (f"fasttrain dynamo cache {next(_copies)}",))
+    return types.FunctionType(own, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def separate_compile_cache_per_process() -> None:

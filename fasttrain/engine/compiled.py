@@ -69,7 +69,7 @@ class CompiledEngine(StepEngine):
     """Runs each micro-step through compiled functions of the trainer's hooks."""
 
     name = "compiled"
-    #: whether integers the hooks read that keep changing are compiled as symbolic values
+    #: whether integers and floats the hooks read that keep changing are compiled as symbolic values
     #: (symbolic_ints.py); a captured graph would replay one as captured
     symbolic_ints = True
     #: switch Adam/AdamW to capturable=True on CUDA: a device-side step counter (no host reads),
@@ -287,7 +287,7 @@ class CompiledEngine(StepEngine):
 
     def _train_elsewhere(self, batch, update: bool, error: BaseException) -> dict:
         # A step that failed, and was undone, runs again: with the forward's constants where its
-        # copy with symbolic integers failed to compile, compiled with graph breaks where the
+        # copy with symbolic values failed to compile, compiled with graph breaks where the
         # whole trace of the forward met one (and fullgraph was not given), else eagerly.
         if self._hook == TRAIN_HOOK and self._functions.drop_symbolic(TRAIN_HOOK):
             return self.train_step(batch, update)
@@ -396,7 +396,7 @@ class CompiledEngine(StepEngine):
         """The compiled function of ``hook`` called with ``(ctx, *args)``, with the learning rates
         (and Adam's betas) in the optimizer's groups as the held device tensors, which the
         compiled code reads as graph inputs; the groups show their own values again after it
-        (engine/hyperparams.py). Then, where this engine takes them, the integers that keep
+        (engine/hyperparams.py). Then, where this engine takes them, the numbers that keep
         changing are noted (symbolic_ints.py)."""
         functions = self._functions
         compiled = functions.function(hook, self.symbolic_ints)

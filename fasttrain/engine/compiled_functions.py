@@ -187,10 +187,13 @@ class _CompiledFunctions:
         compiled = torch.compile(body, **self.settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs())
         return with_logger_calls_ignored(compiled), body.__code__
 
-    def _new_forward(self, hook: str, whole: bool) -> Tuple[CountingCall, types.CodeType]:
+    def _new_forward(self, hook: str, whole: bool, floats: bool = False) -> Tuple[CountingCall, types.CodeType]:
         body = with_own_dynamo_cache(_FORWARD_BODIES[hook])
+        kwargs = self.settings.kwargs(fullgraph=whole)
+        if floats and kwargs["dynamic"] is False:
+            kwargs["dynamic"] = None  # dynamo's only way to a symbolic float (symbolic_ints.py)
         # a logger call in a hook (transformers' models make them) is no graph break
-        compiled = torch.compile(body, **self.settings.kwargs(fullgraph=whole))
+        compiled = torch.compile(body, **kwargs)
         return CountingCall(with_logger_calls_ignored(compiled)), body.__code__
 
     def function(self, hook: str, symbolic_ints: bool) -> Callable:
@@ -204,10 +207,10 @@ class _CompiledFunctions:
         return self.update if hook == UPDATE else self._forwards[hook]
 
     def note_call(self, hook: str) -> None:
-        """After a forward's call by an engine that takes symbolic integers: where an integer the
-        hook reads failed its guard a second time, later calls run a fresh copy compiled with it
-        (and those before it) symbolic. (The update's hooks, which run once per update, keep
-        their constants.)"""
+        """After a forward's call by an engine that takes symbolic values: where a number (an
+        integer or a float) the hook reads failed its guard a second time, later calls run a fresh
+        copy compiled with it (and those before it) symbolic. (The update's hooks, which run once
+        per update, keep their constants.)"""
         if hook == UPDATE or hook in self._no_symbolic:
             return
         changing = self._changing.get(hook)
@@ -217,14 +220,16 @@ class _CompiledFunctions:
         if sources is None or self._copies >= MAX_COPIES:
             return
         self._copies += 1
-        compiled, code = self._new_forward(hook, self._whole[hook])
-        self._symbolic[hook] = WithDynamicSources(compiled, ",".join(sources))
+        compiled, code = self._new_forward(hook, self._whole[hook], floats=bool(changing.floats))
+        ints = [source for source in sources if source not in changing.floats]
+        self._symbolic[hook] = WithDynamicSources(compiled, ",".join(ints))
         fresh = self._changing[hook] = ChangingInts(code)
         fresh.symbolic.update(sources)
+        fresh.floats.update(changing.floats)
 
     def drop_symbolic(self, hook: str) -> bool:
         """After a call of ``hook`` failed before it ran (its compile): where that was the copy
-        with symbolic integers, drop it for good (a backend may not take an operation on them,
+        with symbolic values, drop it for good (a backend may not take an operation on them,
         such as a modulo) and say so; the hook goes on with its constants."""
         if self._symbolic.pop(hook, None) is None:
             return False

@@ -1,36 +1,49 @@
-"""Python integers the hooks read that keep changing, compiled as symbolic values by the compiled
-engine.
+"""Python integers and floats the hooks read that keep changing, compiled as symbolic values by
+the compiled engine.
 
 The engines compile with ``dynamic=False``, so that the batch shapes stay static: dynamo then
-compiles every integer a hook reads as a constant, behind a guard, and a new value compiles the
+compiles every number a hook reads as a constant, behind a guard, and a new value compiles the
 hook again. A LightningModule that weighs its loss by ``self.current_epoch``, anneals by
-``self.global_step`` or branches on ``batch_idx % 100`` compiled once per value, and at dynamo's
-recompile limit (8) ran eagerly for the rest of the run.
+``self.global_step`` or branches on ``batch_idx % 100``, or a trainer whose callback sets a loss
+weight before each step, compiled once per value, and at dynamo's recompile limit (8) ran eagerly
+for the rest of the run.
 
 The compiled engine notes the guards that made one of its functions compile again (dynamo keeps
-them per code object in ``guard_failures``; one dict lookup per call while nothing recompiles). An
-integer whose guard failed twice (three values: a value that changed once, such as a stage set at
-the start, stays a constant) is named in ``torch.compiler.config.dynamic_sources`` while a fresh
-copy of that function runs: dynamo traces it as a symbolic integer, dominant over
-``dynamic=False``, and the copy compiles once for all its values (a branch on it guards on the
-branch's condition only). Only the compiled engine does this: a CUDA graph would replay a symbolic
-value as captured, so the graphed engine keeps its constants (and its guard checks, step_guards.py).
-Floats have no such switch in dynamo; a float that keeps changing still compiles per value.
+them per code object in ``guard_failures``; one dict lookup per call while nothing recompiles). A
+number whose guard failed twice (three values: a value that changed once, such as a stage set at
+the start, stays a constant) makes later calls run a fresh copy of that function, compiled once
+for all its values:
+
+- an integer is named in ``torch.compiler.config.dynamic_sources`` while the copy runs: dynamo
+  traces it as a symbolic integer, dominant over ``dynamic=False`` (a branch on it guards on the
+  branch's condition only);
+- a float has no such switch: the copy is compiled with ``dynamic=None`` (dynamo's automatic
+  dynamic). The copy's code has the original's file, line and name, under which dynamo keeps what
+  it saw of each value, so the float, already seen with several values, is traced as a symbolic
+  float at the copy's first compile. A batch whose shape changes (a last, smaller batch) is then
+  also compiled with a symbolic size in that copy, once, where the original compiles one more
+  static graph.
+
+Only the compiled engine does this: a CUDA graph would replay a symbolic value as captured, so the
+graphed engine keeps its constants (and its guard checks, step_guards.py).
 """
 
 from __future__ import annotations
 
 import re
 import types
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-#: "<frame>/<entry>: <guard>  # <source line comment>": an integer equality guard on a value
+#: "<frame>/<entry>: <guard>  # <source line comment>": an equality guard on an integer or a float
 #: reached from the function's arguments, as dynamo records it in ``guard_failures``
-_INT_GUARD = re.compile(r"^\d+/\d+: ([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*) == (-?\d+)$")
-#: copies compiled with more symbolic integers before the engine stops adding them (a function
-#: whose integers keep appearing one by one meets dynamo's recompile limit instead)
+_SCALAR_GUARD = re.compile(
+    r"^\d+/\d+: ([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*) == "
+    r"(?:(-?\d+)|(-?(?:\d+\.\d*|\d+(?=e))(?:e[-+]?\d+)?))$"
+)
+#: copies compiled with more symbolic values before the engine stops adding them (a function
+#: whose numbers keep appearing one by one meets dynamo's recompile limit instead)
 MAX_COPIES = 3
 
 
@@ -38,16 +51,16 @@ def _failures() -> dict:
     return getattr(torch._dynamo.utils, "guard_failures", {})
 
 
-def int_source(failure: str) -> Optional[str]:
-    """The source name dynamo gives the integer whose equality guard ``failure`` records
-    (``L['ctx'].trainer.batch_idx``), or None for any other guard."""
+def scalar_source(failure: str) -> Optional[Tuple[str, bool]]:
+    """The source name dynamo gives the number whose equality guard ``failure`` records
+    (``L['ctx'].trainer.batch_idx``) and whether it is a float; None for any other guard."""
     first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
     guard = " ".join(first.split("  #")[0].split())
-    match = _INT_GUARD.match(guard)
+    match = _SCALAR_GUARD.match(guard)
     if match is None:
         return None
-    name, path, _ = match.groups()
-    return f"L[{name!r}]{path}"
+    name, path, _, as_float = match.groups()
+    return f"L[{name!r}]{path}", as_float is not None
 
 
 class WithDynamicSources:
@@ -71,7 +84,7 @@ class WithDynamicSources:
 
 
 class ChangingInts:
-    """Per compiled function, the integers whose guards keep failing.
+    """Per compiled function, the numbers (integers and floats) whose guards keep failing.
 
     :param code: the code object whose dynamo cache the function compiles into.
     """
@@ -80,8 +93,9 @@ class ChangingInts:
         self.code = code
         self._seen = 0
         self._failed: Dict[str, int] = {}
-        #: the sources made symbolic so far
+        #: the sources made symbolic so far, and which of them are floats
         self.symbolic: Set[str] = set()
+        self.floats: Set[str] = set()
 
     def newly_changing(self) -> Optional[List[str]]:
         """After a call: the sources to make symbolic now (every one so far), or None. Host only."""
@@ -91,11 +105,14 @@ class ChangingInts:
         new, self._seen = failures[self._seen:], len(failures)
         grown = False
         for failure in new:
-            source = int_source(failure)
-            if source is None or source in self.symbolic:
+            found = scalar_source(failure)
+            if found is None or found[0] in self.symbolic:
                 continue
+            source, is_float = found
             self._failed[source] = self._failed.get(source, 0) + 1
             if self._failed[source] >= 2:
                 self.symbolic.add(source)
+                if is_float:
+                    self.floats.add(source)
                 grown = True
         return sorted(self.symbolic) if grown else None
