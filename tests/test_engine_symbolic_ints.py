@@ -32,6 +32,9 @@ AOT_EAGER = {"backend": "aot_eager"}
     ("0/0: ctx.trainer.loss_weight == 0.5  # a float", ("L['ctx'].trainer.loss_weight", True)),
     ("0/2: ctx.trainer.loss_weight == -2.5e-07  # a small float", ("L['ctx'].trainer.loss_weight", True)),
     ("0/2: ctx.trainer.scale == 1e+20  # a large float", ("L['ctx'].trainer.scale", True)),
+    ("6/1: ___as_tensor(ctx.trainer.loss_weight).item() == 1.04  # (unknown source ___as_tensor(...",
+     ("L['ctx'].trainer.loss_weight", True)),  # torch 2.11: a symbolic float specialized again
+    ("6/0: ___as_tensor(ctx.trainer.loss_weight).item() <= 1.05  # a branch", None),
     ("0/0: ctx.trainer.flag == True  # a bool", None),
     ("0/0: ctx.trainer.loss_weight == inf  # specialized by dynamo", None),
     ("0/0: tensor 'batch[0]' size mismatch at index 0. expected 8, actual 6", None),
@@ -141,6 +144,41 @@ def test_a_float_that_changes_every_step_is_compiled_once_more_and_trains_as_in_
     assert functions._changing[TRAIN_HOOK].floats == {"L['ctx'].trainer.loss_weight"}
     assert functions._symbolic[TRAIN_HOOK].sources == ""  # no integer to name
     assert _forward_graphs(compiled.trainer) <= 5
+    assert_runs_match(eager, compiled)
+
+
+class BranchesOnTheWeight(WeighsByAFloat):
+    def calculate_train_batch_loss(self, batch):
+        output = Trainer.calculate_train_batch_loss(self, batch)
+        output["loss"] = output["loss"] * (2.0 if self.loss_weight > 1.05 else 1.0)
+        return output
+
+
+class MakesATensorOfTheWeight(WeighsByAFloat):
+    def calculate_train_batch_loss(self, batch):
+        output = Trainer.calculate_train_batch_loss(self, batch)
+        output["loss"] = output["loss"] * torch.tensor(self.loss_weight)
+        return output
+
+
+def test_a_branch_on_a_symbolic_float_guards_on_its_condition_only(dynamos_own_limits):
+    case = mlp_case(epochs=2, trainer_cls=BranchesOnTheWeight)
+    eager, compiled, messages = eager_and(case, "compiled", AOT_EAGER, callbacks=[AnnealsTheWeight()], eval_dataset=None)
+    assert messages == [] and compiled.trainer.active_engine == "compiled"
+    assert TRAIN_HOOK in compiled.trainer._engine._functions._symbolic
+    assert _forward_graphs(compiled.trainer) <= 6  # three constants; each side of the branch; the last batch
+    assert_runs_match(eager, compiled)
+
+
+def test_a_copy_that_specializes_the_float_again_is_dropped_at_its_first_new_value(dynamos_own_limits):
+    # torch.tensor(float) makes dynamo specialize the float it traced symbolic: the copy would
+    # compile once per value too; the hook goes on with its constants, to dynamo's limit
+    case = mlp_case(epochs=2, trainer_cls=MakesATensorOfTheWeight)
+    eager, compiled, messages = eager_and(case, "compiled", AOT_EAGER, callbacks=[AnnealsTheWeight()], eval_dataset=None)
+    functions = compiled.trainer._engine._functions
+    assert TRAIN_HOOK in functions._no_symbolic and functions._copies == 1
+    assert compiled.trainer.active_engine == "eager"
+    assert len(messages) == 1 and "recompile_limit" in messages[0] and "loss_weight" in messages[0], messages
     assert_runs_match(eager, compiled)
 
 

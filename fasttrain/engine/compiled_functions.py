@@ -217,6 +217,9 @@ class _CompiledFunctions:
         if changing is None:
             changing = self._changing[hook] = ChangingInts(self.codes[hook])
         sources = changing.newly_changing()
+        if changing.specialized_again:
+            self.drop_symbolic(hook)  # a copy that compiles once per value too is no gain
+            return
         if sources is None or self._copies >= MAX_COPIES:
             return
         self._copies += 1
@@ -228,9 +231,10 @@ class _CompiledFunctions:
         fresh.floats.update(changing.floats)
 
     def drop_symbolic(self, hook: str) -> bool:
-        """After a call of ``hook`` failed before it ran (its compile): where that was the copy
-        with symbolic values, drop it for good (a backend may not take an operation on them,
-        such as a modulo) and say so; the hook goes on with its constants."""
+        """After a call of ``hook`` failed before it ran (its compile), or after the copy with
+        symbolic values specialized one of them again: where there is that copy, drop it for good
+        (a backend may not take an operation on them, such as a modulo) and say so; the hook goes
+        on with its constants."""
         if self._symbolic.pop(hook, None) is None:
             return False
         self._changing.pop(hook, None)

@@ -37,10 +37,11 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 #: "<frame>/<entry>: <guard>  # <source line comment>": an equality guard on an integer or a float
-#: reached from the function's arguments, as dynamo records it in ``guard_failures``
+#: reached from the function's arguments, as dynamo records it in ``guard_failures`` (torch 2.11
+#: writes a float it specialized after tracing it symbolic as ``___as_tensor(<source>).item()``)
 _SCALAR_GUARD = re.compile(
-    r"^\d+/\d+: ([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*) == "
-    r"(?:(-?\d+)|(-?(?:\d+\.\d*|\d+(?=e))(?:e[-+]?\d+)?))$"
+    r"^\d+/\d+: (?:___as_tensor\((?=.*\)\.item\(\) ==))?([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*)"
+    r"(?:\)\.item\(\))? == (?:(-?\d+)|(-?(?:\d+\.\d*|\d+(?=e))(?:e[-+]?\d+)?))$"
 )
 #: copies compiled with more symbolic values before the engine stops adding them (a function
 #: whose numbers keep appearing one by one meets dynamo's recompile limit instead)
@@ -96,6 +97,10 @@ class ChangingInts:
         #: the sources made symbolic so far, and which of them are floats
         self.symbolic: Set[str] = set()
         self.floats: Set[str] = set()
+        #: whether a guard on the value of a source made symbolic failed: the copy compiled for
+        #: it specialized it again (dynamo does for a float given to ``torch.tensor`` or
+        #: ``math.exp``), so the copy compiles once per value as the original did
+        self.specialized_again = False
 
     def newly_changing(self) -> Optional[List[str]]:
         """After a call: the sources to make symbolic now (every one so far), or None. Host only."""
@@ -104,9 +109,15 @@ class ChangingInts:
             return None
         new, self._seen = failures[self._seen:], len(failures)
         grown = False
+        # one call records a failure per compiled variant: a source made symbolic by this call's
+        # first one is not specialized again by its second
+        compiled_symbolic = set(self.symbolic)
         for failure in new:
             found = scalar_source(failure)
-            if found is None or found[0] in self.symbolic:
+            if found is None:
+                continue
+            if found[0] in self.symbolic:
+                self.specialized_again |= found[0] in compiled_symbolic
                 continue
             source, is_float = found
             self._failed[source] = self._failed.get(source, 0) + 1
