@@ -4,10 +4,12 @@ at dynamo's recompile limit, the eager engine."""
 
 from __future__ import annotations
 
+import random
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -182,6 +184,47 @@ def test_a_copy_that_specializes_the_float_again_is_dropped_at_its_first_new_val
     assert_runs_match(eager, compiled)
 
 
+class Mixup(Trainer):
+    """Mixes each batch with its reverse by a coefficient drawn on the host (``random`` or numpy):
+    a graph break, after which the coefficient is a local of the frame dynamo compiles on its own."""
+
+    draw = staticmethod(lambda: random.betavariate(0.4, 0.4))
+
+    def calculate_train_batch_loss(self, batch):
+        x, y = batch[0], batch[1]
+        lam = self.draw()
+        mixed = lam * x + (1 - lam) * x.flip(0)
+        out = self.model(mixed)
+        loss = lam * self.loss_func(out, y) + (1 - lam) * self.loss_func(out, y.flip(0))
+        return {"loss": loss, "model_outputs": out, "batch_size": x.size(0)}
+
+
+class NumpyMixup(Mixup):
+    draw = staticmethod(lambda: float(np.random.beta(0.4, 0.4)))
+
+
+class SeedsTheDraws(TrainerCallback):
+    def on_training_run_start(self, trainer, **kwargs):
+        random.seed(0)
+        np.random.seed(0)
+
+
+@pytest.mark.parametrize("trainer_cls", [Mixup, NumpyMixup], ids=["random", "numpy"])
+def test_a_coefficient_drawn_after_a_graph_break_stays_compiled_and_trains_as_in_eager(dynamos_own_limits,
+                                                                                       trainer_cls):
+    # both draw in one method, whose code (and the frames dynamo makes of it) the two share
+    torch._dynamo.reset()
+    case = mlp_case(epochs=2, trainer_cls=trainer_cls)
+    eager, compiled, messages = eager_and(case, "compiled", AOT_EAGER, callbacks=[SeedsTheDraws()], eval_dataset=None)
+    assert len(messages) == 1 and "compiled with graph breaks" in messages[0], messages  # the draw
+    assert compiled.trainer.active_engine == "compiled"
+    changing = compiled.trainer._engine._functions._changing[TRAIN_HOOK]
+    assert changing.nested and all(code.co_name.startswith("torch_dynamo_resume_in_calculate_train_batch_loss")
+                                   for code, _ in changing.nested), changing.nested
+    assert not changing.specialized_again
+    assert_runs_match(eager, compiled)
+
+
 def _weighted(x, w):
     return x * w
 
@@ -293,3 +336,29 @@ def test_a_lightning_module_weighing_its_losses_by_a_float_it_anneals_stays_comp
     assert fm.loss_weight == lm.loss_weight
     lm_helpers.assert_same_weights(lm, fm, atol=1e-5)
     lm_helpers.assert_same_metrics(lt.callback_metrics, ft.callback_metrics)
+
+
+def test_a_lightning_module_mixing_up_its_batches_with_numpy_stays_compiled(dynamos_own_limits):
+    lm_helpers = _lightning()
+    import torch.nn.functional as F
+
+    class MixesUp(lm_helpers.Classifier):
+        def on_train_start(self):
+            np.random.seed(0)  # the same draws in both fits
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            lam = float(np.random.beta(0.4, 0.4))  # a graph break: numpy's sampler is not traced
+            logits = self(lam * x + (1 - lam) * x.flip(0))
+            loss = lam * F.cross_entropy(logits, y) + (1 - lam) * F.cross_entropy(logits, y.flip(0))
+            self.log("train_loss", loss)
+            return loss
+
+    torch._dynamo.reset()
+    lt, lm, ft, fm = lm_helpers.fit_both(
+        MixesUp, lm_helpers.train_loader, trainer_kwargs=dict(max_epochs=4),
+        fasttrain_kwargs=dict(engine="compiled", compile_options=AOT_EAGER),
+    )
+    assert ft.engine == "compiled"
+    lm_helpers.assert_same_weights(lm, fm, atol=1e-5)
+    torch.testing.assert_close(ft.logged_metrics["train_loss"], lt.logged_metrics["train_loss"], atol=1e-5, rtol=0)

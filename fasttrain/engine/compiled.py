@@ -400,6 +400,8 @@ class CompiledEngine(StepEngine):
         changing are noted (symbolic_ints.py)."""
         functions = self._functions
         compiled = functions.function(hook, self.symbolic_ints)
+        if self.symbolic_ints:
+            functions.before_call(hook)
         hparams = self._hparams
         if hparams is None:
             result = compiled(self.ctx, *args)

@@ -35,7 +35,7 @@ from fasttrain.engine.compile_cache import with_own_dynamo_cache
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.graph_report import CountingCall, HookGraphs
 from fasttrain.engine.logging_calls import with_logger_calls_ignored
-from fasttrain.engine.symbolic_ints import MAX_COPIES, ChangingInts, WithDynamicSources
+from fasttrain.engine.symbolic_ints import MAX_COPIES, ChangingValues, WithDynamicSources
 
 COMPILE_OPTION_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
 
@@ -174,7 +174,7 @@ class _CompiledFunctions:
         #: per hook, the copy the compiled engine calls with the integers that keep changing
         #: symbolic, and what it watches for them (symbolic_ints.py)
         self._symbolic: Dict[str, WithDynamicSources] = {}
-        self._changing: Dict[str, ChangingInts] = {}
+        self._changing: Dict[str, ChangingValues] = {}
         self._no_symbolic: set = set()
         self._copies = 0
 
@@ -187,11 +187,13 @@ class _CompiledFunctions:
         compiled = torch.compile(body, **self.settings.kwargs(fullgraph=False), **recompile_limit.update_compile_kwargs())
         return with_logger_calls_ignored(compiled), body.__code__
 
-    def _new_forward(self, hook: str, whole: bool, floats: bool = False) -> Tuple[CountingCall, types.CodeType]:
+    def _new_forward(self, hook: str, whole: bool, dynamic: bool = False) -> Tuple[CountingCall, types.CodeType]:
         body = with_own_dynamo_cache(_FORWARD_BODIES[hook])
         kwargs = self.settings.kwargs(fullgraph=whole)
-        if floats and kwargs["dynamic"] is False:
-            kwargs["dynamic"] = None  # dynamo's only way to a symbolic float (symbolic_ints.py)
+        if dynamic and kwargs["dynamic"] is False:
+            # dynamo's only way to a symbolic float, or to a number of a frame it compiles on its
+            # own inside the call (symbolic_ints.py)
+            kwargs["dynamic"] = None
         # a logger call in a hook (transformers' models make them) is no graph break
         compiled = torch.compile(body, **kwargs)
         return CountingCall(with_logger_calls_ignored(compiled)), body.__code__
@@ -206,16 +208,25 @@ class _CompiledFunctions:
                 return copy
         return self.update if hook == UPDATE else self._forwards[hook]
 
-    def note_call(self, hook: str) -> None:
-        """After a forward's call by an engine that takes symbolic values: where a number (an
-        integer or a float) the hook reads failed its guard a second time, later calls run a fresh
-        copy compiled with it (and those before it) symbolic. (The update's hooks, which run once
-        per update, keep their constants.)"""
+    def before_call(self, hook: str) -> None:
+        """Before a forward's call by an engine that takes symbolic values (see :meth:`note_call`)."""
         if hook == UPDATE or hook in self._no_symbolic:
             return
         changing = self._changing.get(hook)
         if changing is None:
-            changing = self._changing[hook] = ChangingInts(self.codes[hook])
+            self._changing[hook] = ChangingValues(self.codes[hook])
+        else:
+            changing.before_call()
+
+    def note_call(self, hook: str) -> None:
+        """After a forward's call by an engine that takes symbolic values: where a number (an
+        integer or a float, read by the hook's code or by a frame dynamo compiled on its own
+        inside the call) failed its guard a second time, later calls run a fresh copy compiled
+        with it (and those before it) symbolic. (The update's hooks, which run once per update,
+        keep their constants.)"""
+        changing = self._changing.get(hook)
+        if changing is None or hook in self._no_symbolic:
+            return
         sources = changing.newly_changing()
         if changing.specialized_again:
             self.drop_symbolic(hook)  # a copy that compiles once per value too is no gain
@@ -223,12 +234,10 @@ class _CompiledFunctions:
         if sources is None or self._copies >= MAX_COPIES:
             return
         self._copies += 1
-        compiled, code = self._new_forward(hook, self._whole[hook], floats=bool(changing.floats))
+        compiled, code = self._new_forward(hook, self._whole[hook], dynamic=changing.dynamic)
         ints = [source for source in sources if source not in changing.floats]
         self._symbolic[hook] = WithDynamicSources(compiled, ",".join(ints))
-        fresh = self._changing[hook] = ChangingInts(code)
-        fresh.symbolic.update(sources)
-        fresh.floats.update(changing.floats)
+        self._changing[hook] = ChangingValues(code, carried=changing)
 
     def drop_symbolic(self, hook: str) -> bool:
         """After a call of ``hook`` failed before it ran (its compile), or after the copy with

@@ -9,7 +9,8 @@ weight before each step, compiled once per value, and at dynamo's recompile limi
 for the rest of the run.
 
 The compiled engine notes the guards that made one of its functions compile again (dynamo keeps
-them per code object in ``guard_failures``; one dict lookup per call while nothing recompiles). A
+them per code object in ``guard_failures``; while nothing compiles, a call costs one read of
+dynamo's compile counters before it and one after). A
 number whose guard failed twice (three values: a value that changed once, such as a stage set at
 the start, stays a constant) makes later calls run a fresh copy of that function, compiled once
 for all its values:
@@ -22,7 +23,17 @@ for all its values:
   it saw of each value, so the float, already seen with several values, is traced as a symbolic
   float at the copy's first compile. A batch whose shape changes (a last, smaller batch) is then
   also compiled with a symbolic size in that copy, once, where the original compiles one more
-  static graph.
+  static graph;
+- a number read by a frame dynamo compiles on its own inside the call (the hook's code after a
+  graph break: a mixup coefficient drawn with ``random`` or numpy, which dynamo cannot trace,
+  reaches the rest of the hook as a local) has a source that no switch can name from outside
+  that frame. Its guard failures are recorded under that frame's code, and the engine counts
+  those recorded during its function's calls too: the copy is compiled with ``dynamic=None``,
+  under which dynamo compiles the value symbolic in that frame at its next new value.
+
+A value the copy specializes again (dynamo does for a float given to ``torch.tensor``,
+``math.exp`` or ``round``) fails the copy's guards as it failed the original's: the copy is dropped
+at that failure and the hook goes on with its constants, towards dynamo's recompile limit.
 
 Only the compiled engine does this: a CUDA graph would replay a symbolic value as captured, so the
 graphed engine keeps its constants (and its guard checks, step_guards.py).
@@ -52,16 +63,21 @@ def _failures() -> dict:
     return getattr(torch._dynamo.utils, "guard_failures", {})
 
 
-def scalar_source(failure: str) -> Optional[Tuple[str, bool]]:
-    """The source name dynamo gives the number whose equality guard ``failure`` records
-    (``L['ctx'].trainer.batch_idx``) and whether it is a float; None for any other guard."""
+def _scalar_guard(failure: str) -> Optional[Tuple[str, bool, str]]:
     first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
     guard = " ".join(first.split("  #")[0].split())
     match = _SCALAR_GUARD.match(guard)
     if match is None:
         return None
-    name, path, _, as_float = match.groups()
-    return f"L[{name!r}]{path}", as_float is not None
+    name, path, as_int, as_float = match.groups()
+    return f"L[{name!r}]{path}", as_float is not None, as_int if as_float is None else as_float
+
+
+def scalar_source(failure: str) -> Optional[Tuple[str, bool]]:
+    """The source name dynamo gives the number whose equality guard ``failure`` records
+    (``L['ctx'].trainer.batch_idx``) and whether it is a float; None for any other guard."""
+    found = _scalar_guard(failure)
+    return None if found is None else found[:2]
 
 
 class WithDynamicSources:
@@ -84,46 +100,125 @@ class WithDynamicSources:
             config.dynamic_sources = previous
 
 
-class ChangingInts:
-    """Per compiled function, the numbers (integers and floats) whose guards keep failing.
+def _compile_count() -> int:
+    # what dynamo counts as it compiles: the graphs it made, and the frames it was asked to
+    # compile through its graph-break-tolerant entry (a whole-graph compile counts no frame)
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"] + counters["frames"]["total"]
+
+
+def _entry_count(code: types.CodeType) -> int:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code))
+
+
+def _entry_index(failure: str) -> int:
+    """The compiled variant whose guard ``failure`` records: ``<frame>/<variant>: ...``."""
+    head = str(failure).split(":", 1)[0]
+    return int(head.split("/")[1]) if "/" in head and head.split("/")[1].isdigit() else -1
+
+
+def _failure_counts() -> Dict[types.CodeType, int]:
+    return {code: len(failures) for code, failures in list(_failures().items())}
+
+
+class ChangingValues:
+    """Per compiled function, the numbers (integers and floats) whose guards keep failing while it
+    runs: in its own code, and in the frames dynamo compiles on their own inside its calls (a
+    hook's code after a graph break, where a local such as a mixup coefficient drawn by
+    ``random`` or numpy is read).
+
+    The engine calls :meth:`before_call` and :meth:`newly_changing` around each call of the
+    function; while nothing compiles, each is one read of dynamo's compile counters. Every failure
+    under the function's own code counts; under other code, those recorded during its calls.
 
     :param code: the code object whose dynamo cache the function compiles into.
+    :param carried: the copy's predecessor, whose symbolic values the copy was compiled for.
     """
 
-    def __init__(self, code: types.CodeType):
+    def __init__(self, code: types.CodeType, carried: "Optional[ChangingValues]" = None):
         self.code = code
-        self._seen = 0
-        self._failed: Dict[str, int] = {}
-        #: the sources made symbolic so far, and which of them are floats
-        self.symbolic: Set[str] = set()
-        self.floats: Set[str] = set()
-        #: whether a guard on the value of a source made symbolic failed: the copy compiled for
-        #: it specialized it again (dynamo does for a float given to ``torch.tensor`` or
-        #: ``math.exp``), so the copy compiles once per value as the original did
+        self._compiles = _compile_count()
+        # the function's own code is its own: every failure under it counts, also those of calls
+        # made before the engine watched (the graphed engine's captures, before it fell back)
+        self._seen = _failure_counts()
+        self._seen[code] = 0
+        self._failed: Dict[object, Set[str]] = {}
+        #: the sources of the function's own code made symbolic so far, and the floats among them
+        self.symbolic: Set[str] = set(carried.symbolic) if carried else set()
+        self.floats: Set[str] = set(carried.floats) if carried else set()
+        #: (code, source) of numbers that keep changing in other frames compiled inside the calls:
+        #: the copy for them is compiled with dynamo's automatic dynamic, which takes them symbolic
+        #: at their next new value
+        self.nested: Set[tuple] = set(carried.nested) if carried else set()
+        self._compiled_for = (set(self.symbolic), set(self.nested))
+        # the variants the other frames had before this copy: theirs are the constants' failures
+        self._entries_before = {code: _entry_count(code) for code, _ in self.nested}
+        #: whether a value the copy was compiled for failed its guard as a constant again: dynamo
+        #: specialized it (as it does for a float given to ``torch.tensor`` or ``math.exp``), so the
+        #: copy compiles once per value as the original did
         self.specialized_again = False
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether the copy must be compiled with dynamo's automatic dynamic (floats, or numbers
+        in other frames, which ``dynamic_sources`` cannot name)."""
+        return bool(self.floats or self.nested)
+
+    def before_call(self) -> None:
+        if _compile_count() != self._compiles:  # compiles outside the calls: not this function's
+            self._compiles = _compile_count()
+            own = self._seen.get(self.code, 0)
+            self._seen = _failure_counts()
+            self._seen[self.code] = own
+
     def newly_changing(self) -> Optional[List[str]]:
-        """After a call: the sources to make symbolic now (every one so far), or None. Host only."""
-        failures = _failures().get(self.code)
-        if not failures or len(failures) == self._seen:
+        """After a call: the sources of the function's own code to make symbolic now (every one so
+        far; empty when only other frames' numbers changed), or None. Host only."""
+        count = _compile_count()
+        if count == self._compiles:
             return None
-        new, self._seen = failures[self._seen:], len(failures)
+        self._compiles = count
+        own_before, nested_before = self._compiled_for
+        # a guard failure names the value a compiled variant holds; one call records one per
+        # variant. A value is counted by the distinct values of its failed variants: two of them
+        # (a third value is running) mark it
         grown = False
-        # one call records a failure per compiled variant: a source made symbolic by this call's
-        # first one is not specialized again by its second
-        compiled_symbolic = set(self.symbolic)
-        for failure in new:
-            found = scalar_source(failure)
-            if found is None:
+        for code, failures in list(_failures().items()):
+            seen = self._seen.get(code, 0)
+            if len(failures) == seen:
                 continue
-            if found[0] in self.symbolic:
-                self.specialized_again |= found[0] in compiled_symbolic
-                continue
-            source, is_float = found
-            self._failed[source] = self._failed.get(source, 0) + 1
-            if self._failed[source] >= 2:
-                self.symbolic.add(source)
-                if is_float:
-                    self.floats.add(source)
+            self._seen[code] = len(failures)
+            own = code is self.code
+            before = self._entries_before.get(code, 0)
+            for failure in failures[seen:]:
+                found = _scalar_guard(failure)
+                if found is None:
+                    continue
+                source, is_float, value = found
+                if own and source in own_before:
+                    self.specialized_again = True  # the copy was compiled with it symbolic
+                    continue
+                key = source if own else (code, source)
+                if key in self.symbolic or (key in self.nested and key not in nested_before):
+                    continue  # marked already
+                if key in nested_before and _entry_index(failure) < before:
+                    continue  # a constant compiled before this copy, not a variant of it
+                values = self._failed.setdefault(key, set())
+                values.add(value)
+                if len(values) < 2:
+                    continue
+                if key in nested_before:
+                    # automatic dynamic compiles it symbolic at the copy's first new value; two
+                    # constants compiled for the copy mean dynamo specialized it
+                    self.specialized_again = True
+                    continue
                 grown = True
+                if not own:
+                    self.nested.add(key)
+                    continue
+                self.symbolic.add(key)
+                if is_float:
+                    self.floats.add(key)
         return sorted(self.symbolic) if grown else None
