@@ -171,7 +171,7 @@ class _CompiledFunctions:
         self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
         self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
         self.update, self.codes[UPDATE] = self._new_update()
-        #: per hook, the copy the compiled engine calls with the integers that keep changing
+        #: per hook, the copy the compiled engine calls with the numbers that keep changing
         #: symbolic, and what it watches for them (symbolic_ints.py)
         self._symbolic: Dict[str, WithDynamicSources] = {}
         self._changing: Dict[str, ChangingValues] = {}
