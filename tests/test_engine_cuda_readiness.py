@@ -243,3 +243,18 @@ def test_a_value_back_at_one_compiled_before_is_not_replayed_as_captured_on_a_de
     assert ours == []
     assert graphed.trainer.active_engine == "cudagraph" and graphed.trainer._engine._recaptures >= 1
     assert_runs_match(eager, graphed)
+
+
+@pytest.mark.parametrize("kind", ["annealed-float", "mixup"])
+def test_a_float_that_keeps_changing_stays_compiled_with_inductor_on_a_device(dynamos_own_limits, kind):
+    # the CPU twins: test_engine_symbolic_ints.py; here inductor compiles CUDA kernels and the
+    # symbolic float reaches them as a scalar argument
+    from test_engine_symbolic_ints import AnnealsTheWeight, Mixup, SeedsTheDraws, WeighsByAFloat
+
+    trainer_cls, callback = (WeighsByAFloat, AnnealsTheWeight()) if kind == "annealed-float" else (Mixup, SeedsTheDraws())
+    torch._dynamo.reset()
+    case = mlp_case(epochs=2, trainer_cls=trainer_cls)
+    eager, compiled, ours = eager_and(case, "compiled", device="cuda", callbacks=[callback], eval_dataset=None)
+    assert compiled.trainer.active_engine == "compiled", ours
+    assert not any("recompile_limit" in message for message in ours), ours
+    assert_runs_match(eager, compiled)
