@@ -52,7 +52,8 @@ class ReplaysRunNoPython(HostGraphEngine):
             step()
             for store, length, calls in zip(stores, lengths, captured):
                 for call, template in zip(store.pending[length:], calls):
-                    template[2].copy_(call[2])  # the value, into the captured value's memory
+                    if isinstance(template[2], torch.Tensor):  # a logged number is a constant of the capture
+                        template[2].copy_(call[2])  # the value, into the captured value's memory
                 del store.pending[length:]
 
         graph._body = kernels_only
@@ -221,3 +222,22 @@ def test_a_step_weighed_by_the_batch_index_trains_as_under_lightning(graphed_eng
         trainer.fit(WeighsByTheBatchIndex(), train_loader())
     ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
     assert len(ours) == 1 and ".batch_idx ==" in ours[0] and "'compiled' engine" in ours[0], ours
+
+
+class LogsNumbers(Classifier):
+    """Logs Python numbers that do not change (a float, an int, a bool) beside its tensors."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("constant", 0.5)
+        self.log("count", 3, on_step=True, on_epoch=False)
+        self.log("flag", True, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_numbers_logged_in_a_captured_step_are_logged_as_under_lightning(graphed_engine):
+    # a number is a constant of the captured step (logged_numbers.py): the capture is kept
+    lt, lm, ft, fm = fit_graphed(LogsNumbers, max_epochs=3)
+    assert ft.engine == "cudagraph"
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics)

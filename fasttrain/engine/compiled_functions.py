@@ -235,7 +235,7 @@ class _CompiledFunctions:
             return
         self._copies += 1
         compiled, code = self._new_forward(hook, self._whole[hook], dynamic=changing.dynamic)
-        ints = [source for source in sources if source not in changing.floats]
+        ints = [source for source in sources if source not in changing.floats] + sorted(changing.nested_ints)
         self._symbolic[hook] = WithDynamicSources(compiled, ",".join(ints))
         self._changing[hook] = ChangingValues(code, carried=changing)
 

@@ -152,6 +152,9 @@ class ChangingValues:
         #: the copy for them is compiled with dynamo's automatic dynamic, which takes them symbolic
         #: at their next new value
         self.nested: Set[tuple] = set(carried.nested) if carried else set()
+        #: the integers among them, by source name: automatic dynamic keeps an integer attribute of
+        #: a module a constant, ``dynamic_sources`` does not (a name no other frame of the call has)
+        self.nested_ints: Set[str] = set(carried.nested_ints) if carried else set()
         self._compiled_for = (set(self.symbolic), set(self.nested))
         # the variants the other frames had before this copy: theirs are the constants' failures
         self._entries_before = {code: _entry_count(code) for code, _ in self.nested}
@@ -217,6 +220,8 @@ class ChangingValues:
                 grown = True
                 if not own:
                     self.nested.add(key)
+                    if not is_float:
+                        self.nested_ints.add(source)
                     continue
                 self.symbolic.add(key)
                 if is_float:

@@ -21,6 +21,7 @@ holds each step's once.
 from __future__ import annotations
 
 import copy
+import numbers
 
 import torch
 
@@ -101,7 +102,9 @@ class LoggedCalls(HostEffects):
         if not calls:
             return None
         for call in calls:
-            if not isinstance(call[_VALUE], torch.Tensor):
+            # a Python number is a constant of the captured step, as the tensor made of it was
+            # (logged_numbers.py); the replay guards check it before each replay
+            if not isinstance(call[_VALUE], (torch.Tensor, numbers.Number)):
                 raise ValueError(
                     f"self.log({call[1]!r}, <{type(call[_VALUE]).__name__}>) inside {call[0]}: a logged "
                     "torchmetrics Metric keeps counters in Python that a CUDA graph's replay does not advance"
@@ -118,4 +121,9 @@ class LoggedCalls(HostEffects):
         if effects is None:
             return
         store, calls = effects
-        store.pending.extend((*call[:_VALUE], call[_VALUE].clone(), *call[_VALUE + 1:]) for call in calls)
+        store.pending.extend((*call[:_VALUE], _fresh(call[_VALUE]), *call[_VALUE + 1:]) for call in calls)
+
+
+def _fresh(value):
+    # a replay overwrites the graph's outputs: the store keeps a copy; a number is immutable
+    return value.clone() if isinstance(value, torch.Tensor) else value

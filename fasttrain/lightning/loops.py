@@ -214,7 +214,7 @@ def run_fit(lt, runner) -> None:
                         steps.increment_ready()
                     batch_output = automatic_step(batch, batch_idx, update)
                     if results.pending:
-                        results.drain()
+                        results.drain(module.device)
                     if window_start and count_zero_grad and not (update and lt._module_steps):
                         zero_grads.increment_by(1)  # a closure step counts its own
                     if update:
@@ -469,7 +469,7 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
                 progress.increment_started()
                 output = engine.eval_step(batch)
                 if results.pending:
-                    results.drain()
+                    results.drain(lt.lightning_module.device)
                 progress.increment_processed()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
                 progress.increment_completed()

@@ -12,12 +12,14 @@ forward cache, their epoch value ``compute()``.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from fasttrain.lightning.errors import LightningConfigError
+from fasttrain.lightning.logged_numbers import as_logged_tensor
 
 REDUCTIONS = ("mean", "max", "min", "sum")
 _ALL = object()  # ResultStore.metrics: the values of every loader
@@ -206,10 +208,14 @@ class ResultStore:
         self._log(fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
                   batch_size, sync_dist, sync_dist_fn, sync_dist_group, metric_attribute, rank_zero_only)
 
-    def drain(self) -> None:
-        """File the values recorded inside a compiled step."""
+    def drain(self, device=None) -> None:
+        """File the values recorded inside a compiled step; a Python number logged there (kept as
+        it is while the step was traced, logged_numbers.py) becomes Lightning's tensor of it, on
+        ``device``."""
         pending = self.pending
         for args in pending:
+            if isinstance(args[2], numbers.Number):
+                args = (args[0], args[1], as_logged_tensor(args[2], device), *args[3:])
             self._log(*args)
         pending.clear()
 

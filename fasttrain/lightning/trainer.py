@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerSta
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 
 from fasttrain.lightning import checkpoint as ckpt_io
+from fasttrain.lightning import logged_numbers
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.combined import as_given, flat
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
@@ -64,6 +65,7 @@ class Trainer(LoopProperties):
 
     def __init__(self, **kwargs):
         args = self._args = parse_arguments(kwargs)
+        logged_numbers.install()  # a number self.log gets in a compiled step stays a number there
         self.state = TrainerState()
         self._module = None
         self.num_training_batches = float("inf")  # until a fit loads its training data, as in Lightning
