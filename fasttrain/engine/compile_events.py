@@ -34,8 +34,24 @@ def compiles_so_far() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _guard_failures() -> Dict[object, list]:
+def compile_activity() -> int:
+    """A count that changes whenever dynamo compiles, cheap enough to read around every call of a
+    compiled function (two dict lookups, where :func:`compiles_so_far` sums a counter over every
+    frame): the graphs it made, and the frames it was asked to compile through its
+    graph-break-tolerant entry (a whole-graph compile counts no frame there). Not a number of
+    compiles: only whether it changed says anything."""
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"] + counters["frames"]["total"]
+
+
+def recorded_guard_failures() -> Dict[object, list]:
+    """Dynamo's record of the guards that failed, per code object (the lists only grow)."""
     return getattr(torch._dynamo.utils, "guard_failures", {})
+
+
+def failure_counts() -> Dict[object, int]:
+    """How many guard failures dynamo has recorded so far, per code object."""
+    return {code: len(reasons) for code, reasons in list(recorded_guard_failures().items())}
 
 
 class CompileMark:
@@ -44,7 +60,7 @@ class CompileMark:
 
     def __init__(self) -> None:
         self._compiles = compiles_so_far()
-        self._failures = {code: len(reasons) for code, reasons in _guard_failures().items()}
+        self._failures = failure_counts()
 
     def compiled(self) -> int:
         return compiles_so_far() - self._compiles
@@ -53,7 +69,7 @@ class CompileMark:
         """``(function name, failed guard)`` for each guard failure dynamo recorded since the
         mark (its text's first line)."""
         found = []
-        for code, reasons in list(_guard_failures().items()):
+        for code, reasons in list(recorded_guard_failures().items()):
             for reason in reasons[self._failures.get(code, 0):]:
                 lines = str(reason).splitlines()
                 if lines:

@@ -33,12 +33,16 @@ except ImportError:  # pragma: no cover - a torch without it: replays rely on th
     _cache_entries = None
 
 
+def compiled_variants(code: types.CodeType) -> list:
+    """The compiled variants dynamo keeps for ``code``, the one its last call ran first; empty
+    where it keeps none (nothing compiled yet, or a torch that does not show its cache)."""
+    return _cache_entries(code) if _cache_entries is not None else []
+
+
 def variant_in_use(code: types.CodeType):
     """The guards of the compiled variant of ``code`` that its last call ran, or None where dynamo
-    keeps none (nothing compiled yet, or a torch that does not show its cache)."""
-    if _cache_entries is None:
-        return None
-    entries = _cache_entries(code)
+    keeps none."""
+    entries = compiled_variants(code)
     if not entries:
         return None
     return getattr(entries[0], "guard_manager", None)

@@ -47,11 +47,14 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-#: "<frame>/<entry>: <guard>  # <source line comment>": an equality guard on an integer or a float
+from fasttrain.engine.compile_events import compile_activity, failure_counts, recorded_guard_failures
+from fasttrain.engine.step_guards import compiled_variants
+
+#: "<frame>/<variant>: <guard>  # <source line comment>": an equality guard on an integer or a float
 #: reached from the function's arguments, as dynamo records it in ``guard_failures`` (torch 2.11
 #: writes a float it specialized after tracing it symbolic as ``___as_tensor(<source>).item()``)
 _SCALAR_GUARD = re.compile(
-    r"^\d+/\d+: (?:___as_tensor\((?=.*\)\.item\(\) ==))?([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*)"
+    r"^\d+/(\d+): (?:___as_tensor\((?=.*\)\.item\(\) ==))?([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*|\[[^\]\s]+\])*)"
     r"(?:\)\.item\(\))? == (?:(-?\d+)|(-?(?:\d+\.\d*|\d+(?=e))(?:e[-+]?\d+)?))$"
 )
 #: copies compiled with more symbolic values before the engine stops adding them (a function
@@ -59,18 +62,15 @@ _SCALAR_GUARD = re.compile(
 MAX_COPIES = 3
 
 
-def _failures() -> dict:
-    return getattr(torch._dynamo.utils, "guard_failures", {})
-
-
-def _scalar_guard(failure: str) -> Optional[Tuple[str, bool, str]]:
+def _scalar_guard(failure: str) -> Optional[Tuple[str, bool, str, int]]:
+    """``(source, is_float, value, variant)`` of a number's equality guard, else None."""
     first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
     guard = " ".join(first.split("  #")[0].split())
     match = _SCALAR_GUARD.match(guard)
     if match is None:
         return None
-    name, path, as_int, as_float = match.groups()
-    return f"L[{name!r}]{path}", as_float is not None, as_int if as_float is None else as_float
+    variant, name, path, as_int, as_float = match.groups()
+    return f"L[{name!r}]{path}", as_float is not None, as_int if as_float is None else as_float, int(variant)
 
 
 def scalar_source(failure: str) -> Optional[Tuple[str, bool]]:
@@ -100,29 +100,6 @@ class WithDynamicSources:
             config.dynamic_sources = previous
 
 
-def _compile_count() -> int:
-    # what dynamo counts as it compiles: the graphs it made, and the frames it was asked to
-    # compile through its graph-break-tolerant entry (a whole-graph compile counts no frame)
-    counters = torch._dynamo.utils.counters
-    return counters["stats"]["unique_graphs"] + counters["frames"]["total"]
-
-
-def _entry_count(code: types.CodeType) -> int:
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return len(_debug_get_cache_entry_list(code))
-
-
-def _entry_index(failure: str) -> int:
-    """The compiled variant whose guard ``failure`` records: ``<frame>/<variant>: ...``."""
-    head = str(failure).split(":", 1)[0]
-    return int(head.split("/")[1]) if "/" in head and head.split("/")[1].isdigit() else -1
-
-
-def _failure_counts() -> Dict[types.CodeType, int]:
-    return {code: len(failures) for code, failures in list(_failures().items())}
-
-
 class ChangingValues:
     """Per compiled function, the numbers (integers and floats) whose guards keep failing while it
     runs: in its own code, and in the frames dynamo compiles on their own inside its calls (a
@@ -139,10 +116,10 @@ class ChangingValues:
 
     def __init__(self, code: types.CodeType, carried: "Optional[ChangingValues]" = None):
         self.code = code
-        self._compiles = _compile_count()
+        self._compiles = compile_activity()
         # the function's own code is its own: every failure under it counts, also those of calls
         # made before the engine watched (the graphed engine's captures, before it fell back)
-        self._seen = _failure_counts()
+        self._seen = failure_counts()
         self._seen[code] = 0
         self._failed: Dict[object, Set[str]] = {}
         #: the sources of the function's own code made symbolic so far, and the floats among them
@@ -157,7 +134,7 @@ class ChangingValues:
         self.nested_ints: Set[str] = set(carried.nested_ints) if carried else set()
         self._compiled_for = (set(self.symbolic), set(self.nested))
         # the variants the other frames had before this copy: theirs are the constants' failures
-        self._entries_before = {code: _entry_count(code) for code, _ in self.nested}
+        self._entries_before = {code: len(compiled_variants(code)) for code, _ in self.nested}
         #: whether a value the copy was compiled for failed its guard as a constant again: dynamo
         #: specialized it (as it does for a float given to ``torch.tensor`` or ``math.exp``), so the
         #: copy compiles once per value as the original did
@@ -170,16 +147,16 @@ class ChangingValues:
         return bool(self.floats or self.nested)
 
     def before_call(self) -> None:
-        if _compile_count() != self._compiles:  # compiles outside the calls: not this function's
-            self._compiles = _compile_count()
+        if compile_activity() != self._compiles:  # compiles outside the calls: not this function's
+            self._compiles = compile_activity()
             own = self._seen.get(self.code, 0)
-            self._seen = _failure_counts()
+            self._seen = failure_counts()
             self._seen[self.code] = own
 
     def newly_changing(self) -> Optional[List[str]]:
         """After a call: the sources of the function's own code to make symbolic now (every one so
         far; empty when only other frames' numbers changed), or None. Host only."""
-        count = _compile_count()
+        count = compile_activity()
         if count == self._compiles:
             return None
         self._compiles = count
@@ -188,7 +165,7 @@ class ChangingValues:
         # variant. A value is counted by the distinct values of its failed variants: two of them
         # (a third value is running) mark it
         grown = False
-        for code, failures in list(_failures().items()):
+        for code, failures in list(recorded_guard_failures().items()):
             seen = self._seen.get(code, 0)
             if len(failures) == seen:
                 continue
@@ -199,14 +176,14 @@ class ChangingValues:
                 found = _scalar_guard(failure)
                 if found is None:
                     continue
-                source, is_float, value = found
+                source, is_float, value, variant = found
                 if own and source in own_before:
                     self.specialized_again = True  # the copy was compiled with it symbolic
                     continue
                 key = source if own else (code, source)
                 if key in self.symbolic or (key in self.nested and key not in nested_before):
                     continue  # marked already
-                if key in nested_before and _entry_index(failure) < before:
+                if key in nested_before and variant < before:
                     continue  # a constant compiled before this copy, not a variant of it
                 values = self._failed.setdefault(key, set())
                 values.add(value)
