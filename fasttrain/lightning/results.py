@@ -208,7 +208,7 @@ class ResultStore:
         self._log(fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
                   batch_size, sync_dist, sync_dist_fn, sync_dist_group, metric_attribute, rank_zero_only)
 
-    def drain(self, device=None) -> None:
+    def drain(self, device) -> None:
         """File the values recorded inside a compiled step; a Python number logged there (kept as
         it is while the step was traced, logged_numbers.py) becomes Lightning's tensor of it, on
         ``device``."""
