@@ -249,9 +249,10 @@ def test_a_value_back_at_one_compiled_before_is_not_replayed_as_captured_on_a_de
 def test_a_float_that_keeps_changing_stays_compiled_with_inductor_on_a_device(dynamos_own_limits, kind):
     # the CPU twins: test_engine_symbolic_ints.py; here inductor compiles CUDA kernels and the
     # symbolic float reaches them as a scalar argument
-    from test_engine_symbolic_ints import AnnealsTheWeight, Mixup, SeedsTheDraws, WeighsByAFloat
+    from test_engine_step_guards import WeighsItsLoss
+    from test_engine_symbolic_ints import AnnealsTheWeight, Mixup, SeedsTheDraws
 
-    trainer_cls, callback = (WeighsByAFloat, AnnealsTheWeight()) if kind == "annealed-float" else (Mixup, SeedsTheDraws())
+    trainer_cls, callback = (WeighsItsLoss, AnnealsTheWeight()) if kind == "annealed-float" else (Mixup, SeedsTheDraws())
     torch._dynamo.reset()
     case = mlp_case(epochs=2, trainer_cls=trainer_cls)
     eager, compiled, ours = eager_and(case, "compiled", device="cuda", callbacks=[callback], eval_dataset=None)

@@ -20,6 +20,7 @@ from fasttrain.engine.compiled_functions import TRAIN_HOOK
 from fasttrain.engine.symbolic_ints import scalar_source
 
 from engine_cases import assert_runs_match, eager_and, mlp_case
+from test_engine_step_guards import WeighsItsLoss  # scales the loss by its float loss_weight
 
 AOT_EAGER = {"backend": "aot_eager"}
 
@@ -115,17 +116,6 @@ def test_a_copy_the_backend_cannot_compile_gives_way_to_the_constants(dynamos_ow
     assert_runs_match(eager, compiled)
 
 
-class WeighsByAFloat(Trainer):
-    """Scales the loss by a float weight that a callback anneals before each step."""
-
-    loss_weight = 1.0
-
-    def calculate_train_batch_loss(self, batch):
-        output = super().calculate_train_batch_loss(batch)
-        output["loss"] = output["loss"] * self.loss_weight
-        return output
-
-
 class AnnealsTheWeight(TrainerCallback):
     def on_training_run_start(self, trainer, **kwargs):
         self.steps = 0
@@ -138,7 +128,7 @@ class AnnealsTheWeight(TrainerCallback):
 @pytest.mark.parametrize("options", [AOT_EAGER, {}], ids=["aot_eager", "inductor"])
 def test_a_float_that_changes_every_step_is_compiled_once_more_and_trains_as_in_eager(dynamos_own_limits, options):
     # 18 values: three constants (the third marks it), then the copy with a symbolic float
-    case = mlp_case(epochs=2, trainer_cls=WeighsByAFloat)
+    case = mlp_case(epochs=2, trainer_cls=WeighsItsLoss)
     eager, compiled, messages = eager_and(case, "compiled", options, callbacks=[AnnealsTheWeight()], eval_dataset=None)
     assert messages == []
     assert compiled.trainer.active_engine == "compiled"
@@ -149,14 +139,14 @@ def test_a_float_that_changes_every_step_is_compiled_once_more_and_trains_as_in_
     assert_runs_match(eager, compiled)
 
 
-class BranchesOnTheWeight(WeighsByAFloat):
+class BranchesOnTheWeight(WeighsItsLoss):
     def calculate_train_batch_loss(self, batch):
         output = Trainer.calculate_train_batch_loss(self, batch)
         output["loss"] = output["loss"] * (2.0 if self.loss_weight > 1.05 else 1.0)
         return output
 
 
-class MakesATensorOfTheWeight(WeighsByAFloat):
+class MakesATensorOfTheWeight(WeighsItsLoss):
     def calculate_train_batch_loss(self, batch):
         output = Trainer.calculate_train_batch_loss(self, batch)
         output["loss"] = output["loss"] * torch.tensor(self.loss_weight)
