@@ -95,10 +95,10 @@ def run_restartable(script: Path, out: Path, *args, max_restarts: int, timeout_s
         code = launch.wait(started + timeout_s)
     except LaunchHung:
         code = None
-    if code is not None and (code == 0 or not any(m in launch.log_tail(HUNG_LOG_TAIL) for m in PEER_TIMEOUT_MARKERS)):
-        if code != 0:
-            pytest.fail(f"{what} failed ({code}); end of its output:\n{launch.log_tail()}")
+    if code == 0:
         return time.monotonic() - started
+    if code is not None and not any(marker in launch.log_tail(HUNG_LOG_TAIL) for marker in PEER_TIMEOUT_MARKERS):
+        pytest.fail(f"{what} failed ({code}); end of its output:\n{launch.log_tail()}")
     why = "hung" if code is None else "failed on a collective that waited for a peer until its timeout"
     warnings.warn(f"{what} {why} and is started again from the beginning; the end of its output:\n"
                   f"{launch.log_tail(HUNG_LOG_TAIL)}", stacklevel=2)
