@@ -73,3 +73,18 @@ def test_lightnings_own_trainer_converts_numbers_as_before():
     traced = torch.compile(lambda v: LightningModule._LightningModule__to_tensor(module, v, "x") * 2,
                            backend="aot_eager", fullgraph=True)
     assert float(traced(0.5)) == 1.0
+
+
+def test_a_lightning_without_the_private_conversion_is_left_as_it_is(monkeypatch):
+    # the conversion replaced is a private method of LightningModule: where a Lightning release
+    # has none of that name, fasttrain.lightning still builds its Trainer and changes nothing
+    from lightning.pytorch import LightningModule
+
+    from fasttrain.lightning import Trainer, logged_numbers
+
+    monkeypatch.setattr(logged_numbers, "_ORIGINAL", None)
+    monkeypatch.delattr(LightningModule, logged_numbers._CONVERSION)
+    Trainer(max_epochs=1)
+    assert logged_numbers.install() is False
+    assert logged_numbers._ORIGINAL is None
+    assert logged_numbers._CONVERSION not in LightningModule.__dict__

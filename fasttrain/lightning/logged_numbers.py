@@ -39,12 +39,23 @@ def _fasttrain_step(module) -> bool:
     return isinstance(module.__dict__.get("_trainer"), Trainer)
 
 
-def install() -> None:
-    """Put the conversion above in ``LightningModule``'s place (once per process)."""
+#: LightningModule's private conversion that :func:`install` replaces (Lightning 2.6's name)
+_CONVERSION = "_LightningModule__to_tensor"
+
+
+def install() -> bool:
+    """Put the conversion above in ``LightningModule``'s place (once per process). Returns
+    whether it is in place: a Lightning without that private method keeps its own conversion,
+    and a number logged in a compiled step is then a constant of the step (the step compiles
+    again when it changes; the values logged are right either way)."""
     global _ORIGINAL
     if _ORIGINAL is None:
-        _ORIGINAL = LightningModule._LightningModule__to_tensor
-        LightningModule._LightningModule__to_tensor = _to_tensor
+        original = LightningModule.__dict__.get(_CONVERSION)
+        if not callable(original):
+            return False
+        _ORIGINAL = original
+        setattr(LightningModule, _CONVERSION, _to_tensor)
+    return True
 
 
 def as_logged_tensor(value, device):
