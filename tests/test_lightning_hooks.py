@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_modules import Classifier, classification_data, fit_both, loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, classification_data, fit_both, loader, train_loader, val_loader  # noqa: E402
 
 MODULE_HOOKS = [
     "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "setup", "teardown", "configure_model",
@@ -106,3 +106,32 @@ def test_on_train_batch_end_gets_lightnings_outputs():
     for (idx, keys, loss, tokens), (l_idx, l_keys, l_loss, l_tokens) in zip(seen["fasttrain"], seen["lightning"]):
         assert (idx, keys, tokens) == (l_idx, l_keys, l_tokens) == (idx, ["loss", "tokens"], 32)
         assert loss == pytest.approx(l_loss, rel=1e-5)
+
+
+def test_global_module_hooks_see_the_modules_that_lightning_calls_and_nothing_around_the_steps():
+    # Lightning's single-process strategies call training_step and validation_step on the module
+    # itself: a global forward hook sees the module's own calls (self(x) and its layers), never a
+    # call wrapping the step (in full precision; under mixed precision fasttrain's steps run
+    # through the module accelerate prepared, whose forward also converts the outputs to fp32)
+    from fasttrain.lightning import Trainer as FastTrainer
+
+    calls = {}
+    current = []
+
+    def record(module, args):
+        calls[current[0]].append(type(module).__name__)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        for trainer_cls in (L.Trainer, FastTrainer):
+            current[:] = [trainer_cls.__module__]
+            calls[current[0]] = []
+            torch.manual_seed(0)
+            trainer_cls(max_epochs=1, num_sanity_val_steps=1, **QUIET).fit(
+                Classifier(), train_loader(), val_loader()
+            )
+    finally:
+        handle.remove()
+    lightning_calls, fasttrain_calls = calls.values()
+    assert lightning_calls[:5] == ["Classifier", "Sequential", "Linear", "Tanh", "Linear"]
+    assert fasttrain_calls == lightning_calls

@@ -39,6 +39,9 @@ class ModuleRunner(FasttrainTrainer):
         self.step_log = None
         #: no autocast around the steps (decided per run; accelerate's autocast is right either way)
         self._full_precision = False
+        #: the LightningModule whose step methods run_step calls itself, when the prepared model
+        #: is the plain StepModule (decided per run, see calls_steps_directly); else None
+        self._step_methods_of = None
         super().__init__(step_module_for(lightning_trainer.lightning_module), None, optimizer, callbacks=[], **options)
 
     # ------------------------------------------------------------------ setup
@@ -90,6 +93,7 @@ class ModuleRunner(FasttrainTrainer):
         eager = getattr(self._engine, "name", None) == "eager"
         self.step_log = step_logger(self.lt.lightning_module, self.lt) if eager else None
         self._full_precision = self._accelerator.mixed_precision == "no"
+        self._step_methods_of = calls_steps_directly(self.model)
         # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
         module = self.lt.lightning_module
         self._strategy_backward = self.lt.strategy.backward
@@ -167,8 +171,18 @@ class ModuleRunner(FasttrainTrainer):
         step_log = self.step_log
         if step_log is not None:
             state["log"] = step_log
+        step = self._step_methods_of
         try:
-            if self._full_precision:
+            if step is not None:
+                # Lightning's single-process strategies call the step method itself, not the
+                # module: no module hooks, no nn.Module call on the hot path
+                method = getattr(step, name)
+                if self._full_precision:
+                    output = method(*args)
+                else:
+                    with self._accelerator.autocast():
+                        output = method(*args)
+            elif self._full_precision:
                 output = self.model(name, *args)
             else:
                 with self._accelerator.autocast():
@@ -331,6 +345,18 @@ def step_module_for(module) -> "StepModule":
         # children and hooks stay as the user wrote them
         module.__dict__["_fasttrain_step_module"] = step
     return step
+
+
+def calls_steps_directly(model):
+    """The LightningModule inside ``model`` when ``model`` is the StepModule exactly as built: no
+    process wrapper (DDP, FSDP), no hook on it, no forward replaced (accelerate's autocast
+    wrapper). Then calling a step method on the module is what calling the StepModule does,
+    without the module call; Lightning's single-process strategies call it the same way."""
+    if type(model) is not StepModule or "forward" in model.__dict__:
+        return None
+    if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks:
+        return None
+    return model.module
 
 
 class StepModule(torch.nn.Module):
