@@ -187,6 +187,42 @@ def test_the_default_bar_counts_every_batch_and_shows_the_flushed_values():
     assert postfixes[2] == postfixes[3] and postfixes[3] != postfixes[4]  # new values at flushes only
 
 
+class SeesTheBarAtBatchStart(SGDClassifier):
+    """Records the default bar's position and postfix as each training batch starts, so the
+    bar stays the only listener of on_train_batch_end."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        bar = self.trainer.progress_bar_callback.train_progress_bar
+        self.seen.append((bar.n, bar.postfix))
+
+
+@pytest.mark.parametrize("another_listener", [False, True])
+def test_the_default_bar_alone_counts_every_batch_without_the_hooks_dispatch(monkeypatch, another_listener):
+    from fasttrain.lightning import hooks
+
+    dispatched = []
+    call = hooks.HookCaller.__call__
+
+    def recording(self, name, *args, **kwargs):
+        dispatched.append(name)
+        return call(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(hooks.HookCaller, "__call__", recording)
+    module = SeesTheBarAtBatchStart()
+    module.seen = []
+    callbacks = [SeesTheBar()] if another_listener else []
+    trainer = Trainer(**{**WITH_BAR, "max_epochs": 1, "log_every_n_steps": 2, "callbacks": callbacks})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, train_loader())
+    assert [n for n, _ in module.seen] == [0, 1, 2, 3, 4, 5]
+    postfixes = [postfix for _, postfix in module.seen]
+    # what the bar shows at the third batch's start: the flush after the second stepping batch
+    assert not any(postfixes[:2]) and all("train_loss_step=" in p for p in postfixes[2:])
+    assert postfixes[2] == postfixes[3] and postfixes[3] != postfixes[4]  # new values at flushes only
+    assert dispatched.count("on_train_batch_end") == (6 if another_listener else 0)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [dict(callbacks=[TQDMProgressBar(), OwnBar()]), dict(callbacks=[TQDMProgressBar()], enable_progress_bar=False)],

@@ -83,24 +83,13 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         connector = trainer._logger_connector
         if connector.should_reset_tensors(fx):
             results.reset(metrics=False, fx=fx)
-        results.log(
-            fx,
-            name,
-            value,
-            prog_bar=prog_bar,
-            logger=True if logger is None else logger,
-            on_step=resolved[0],
-            on_epoch=resolved[1],
-            reduce_fx=reduce_fx,
-            enable_graph=enable_graph,
-            add_dataloader_idx=add_dataloader_idx,
-            batch_size=batch_size,
-            sync_dist=sync_dist and trainer._accelerator_connector.is_distributed,
-            sync_dist_fn=trainer.strategy.reduce,
-            sync_dist_group=sync_dist_group,
-            metric_attribute=metric_attribute,
-            rank_zero_only=rank_zero_only,
-        )
+        sync_dist = sync_dist and trainer._accelerator_connector.is_distributed
+        # the store files the value (results.py); its public log() adds only what a step traced by
+        # dynamo needs (the call recorded), so an eager step calls the filing itself
+        file = results.log if torch.compiler.is_compiling() else results._log
+        file(fx, name, value, prog_bar, True if logger is None else logger, resolved[0], resolved[1], reduce_fx,
+             enable_graph, add_dataloader_idx, batch_size, sync_dist, trainer.strategy.reduce if sync_dist else None,
+             sync_dist_group, metric_attribute, rank_zero_only)
         connector._current_fx = fx
 
     return log

@@ -183,6 +183,14 @@ class HookCaller:
             return self.module_hook(name, *args, **kwargs)
         return None
 
+    def sole_callback(self, name: str):
+        """The one callback whose ``name`` hook runs, when no other does and the module's own
+        ``name`` hook is LightningModule's no-op; else None."""
+        methods = self.callback_methods(name)
+        if len(methods) != 1 or module_overrides(self.module, name):
+            return None
+        return methods[0][0]
+
     def overridden(self, name: str) -> bool:
         """Whether the module or a callback overrides ``name`` (a hook with no effect otherwise
         can be skipped on the hot path)."""

@@ -26,6 +26,7 @@ from fasttrain.lightning.arguments import check_interval_fits_epoch, num_batches
 from fasttrain.lightning.combined import CombinedData, check_trainable_mode, flat, limited_counts, set_sampler_epoch
 from fasttrain.lightning.grad_modes import evaluation_context
 from fasttrain.lightning.profiler import profiling, strategy_action, timed, timed_iterator
+from fasttrain.lightning.progress_bars import EpochProgressBar
 from fasttrain.lightning.skipped_steps import StepReturnedNone, skip_none_batch, skip_step
 
 
@@ -130,11 +131,22 @@ def run_fit(lt, runner) -> None:
     batches = epoch_loop.batch_progress
     current, total = batches.current, batches.total
     optimizer_counts = epoch_loop.automatic_optimization.optim_progress.optimizer
-    steps, zero_grads = optimizer_counts.step, optimizer_counts.zero_grad
+    # the step and zero-grad counters advanced in place, as Lightning's increment_ready,
+    # increment_completed and increment_by(1) advance them (a dozen calls a batch otherwise)
+    step_total, step_current = optimizer_counts.step.total, optimizer_counts.step.current
+    zero_grad_total, zero_grad_current = optimizer_counts.zero_grad.total, optimizer_counts.zero_grad.current
     count_zero_grad = not lt._own_zero_grad  # else counted around the zero-grad hooks (runner)
     connector, pbar_metrics = lt._logger_connector, lt._pbar_metrics
     automatic_step, manual_step = functools.partial(_automatic_step, lt, runner, engine), lt._manual_step
     profiler = lt.profiler if profiling(lt) else None
+    # fasttrain's default bar is the one listener of on_train_batch_end in most fits: it only
+    # advances its counter (it reads no outputs and logs nothing), so the loop advances it
+    # without the hook's dispatch or the outputs built for it (decided once per fit, as the
+    # callbacks of a fit are; a profiler times the hook as Lightning does)
+    bar = hooks.sole_callback("on_train_batch_end") if batch_end_hooked and profiler is None else None
+    advance_bar = bar.advance if type(bar) is EpochProgressBar else None
+    if advance_bar is not None:
+        batch_end_hooked = False
     if profiler is not None:  # the optimization of each batch timed as Lightning times it
         automatic_step = timed(profiler, "run_training_batch", automatic_step)
         manual_step = timed(profiler, "run_training_batch", manual_step)
@@ -211,14 +223,22 @@ def run_fit(lt, runner) -> None:
                     outputs = skip_none_batch(lt, runner, update)
                 else:
                     if update:
-                        steps.increment_ready()
+                        step_total.ready += 1
+                        step_current.ready += 1
                     batch_output = automatic_step(batch, batch_idx, update)
                     if results.pending:
                         results.drain(module.device)
                     if window_start and count_zero_grad and not (update and lt._module_steps):
-                        zero_grads.increment_by(1)  # a closure step counts its own
+                        # a closure step counts its own
+                        zero_grad_total.ready += 1
+                        zero_grad_total.started += 1
+                        zero_grad_total.completed += 1
+                        zero_grad_current.ready += 1
+                        zero_grad_current.started += 1
+                        zero_grad_current.completed += 1
                     if update:
-                        steps.increment_completed()
+                        step_total.completed += 1
+                        step_current.completed += 1
                         runner.progress.num_updates += 1
                     if batch_end_hooked:
                         outputs = _batch_end_outputs(batch_output, k)
@@ -241,6 +261,8 @@ def run_fit(lt, runner) -> None:
                 pbar_metrics.refresh()
             if batch_end_hooked:
                 hooks("on_train_batch_end", outputs, batch, batch_idx)
+            elif advance_bar is not None:
+                advance_bar()
             current.completed += 1
             total.completed += 1
             if flush or (update and lt.should_stop and connector.flush_due()):
@@ -261,7 +283,9 @@ def run_fit(lt, runner) -> None:
                 epoch_loop._batches_that_stepped += 1
             if epoch_loop._restarting:  # as in Lightning, the first batch after a resume ends its restart
                 epoch_loop.restarting = False
-            if (max_steps != -1 and lt.global_step >= max_steps) or (lt.should_stop and can_stop_early(lt)):
+            # global_step, read from the counter it is under automatic optimization
+            if (max_steps != -1 and (step_total.completed if module.automatic_optimization else lt.global_step)
+                    >= max_steps) or (lt.should_stop and can_stop_early(lt)):
                 break
         iterator = None
         if profiler is not None:

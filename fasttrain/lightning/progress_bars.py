@@ -81,12 +81,17 @@ class EpochProgressBar(ProgressBar):
         self._shown_metrics = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.advance()
+
+    def advance(self) -> None:
+        """A training batch has ended: the bar counts it. The fit loop calls this directly when
+        this bar is the hook's only listener (loops.py)."""
         bar = self._bar
         if bar is None:
             return
         bar.update(1)
         # the host copy changes at flushes only (ProgressBarMetrics): a new one is shown
-        metrics = trainer._pbar_metrics.current()
+        metrics = self.trainer._pbar_metrics.current()
         if metrics is not self._shown_metrics:
             self._shown_metrics = metrics
             self._set_postfix(metrics)
