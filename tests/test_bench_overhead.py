@@ -47,6 +47,16 @@ def test_the_model_is_linear_16_32_4_at_batch_16_on_either_device():
     assert int(y.max()) < 4
 
 
+def test_the_overhead_workload_steps_with_fused_adamw_and_the_others_with_torchs_default():
+    overhead, mlp = make_workload("overhead", device="cpu"), make_workload("mlp", device="cpu")
+    optimizer = overhead.make_optimizer(overhead.make_model())
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
+    assert overhead.make_optimizer(overhead.make_model(), capturable=True).defaults["capturable"] is True
+    assert overhead.describe()["optimizer"] == "AdamW(fused=True)"
+    plain = mlp.make_optimizer(mlp.make_model())
+    assert not plain.defaults["fused"] and mlp.describe()["optimizer"] == "AdamW"
+
+
 def test_every_peer_fetches_a_batch_with_one_getitems_call(monkeypatch):
     calls = {"batches": 0, "samples": 0}
     items, item = SyntheticBatches.__getitems__, SyntheticBatches.__getitem__

@@ -229,7 +229,8 @@ def _title(bench: BenchResult) -> str:
     else:
         repeats = f"{s['repeats']} repeats"
     return (
-        f"{wl['workload']} ({wl['size']}, batch {wl['batch_size']}, {wl['amp_dtype']}) on {wl['device']}"
+        f"{wl['workload']} ({wl['size']}, batch {wl['batch_size']}, {wl['amp_dtype']}"
+        f"{', ' + wl['optimizer'] if 'optimizer' in wl else ''}) on {wl['device']}"
         f" · {s['steps']} steps after {s['warmup']} warm-up, {repeats}, interleaved"
         f" · {s.get('clock', 'wall')} clock · steps/s: median [min-max] over repeats"
     )
