@@ -91,6 +91,6 @@ def test_cli_bench_runs_hf_gpt2(tmp_path, capsys):
         torch.set_num_threads(threads)
     assert rc == 0
     text = (tmp_path / "hf-gpt2-tiny.md").read_text()
-    assert "hf-gpt2 (tiny, batch 2, fp32)" in text
+    assert "hf-gpt2 (tiny, batch 2, fp32, AdamW)" in text
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert "unavailable" not in rows["bare"] and "unavailable" not in rows["fasttrain-eager"]
