@@ -73,6 +73,23 @@ def test_the_users_own_setting_is_kept():
         ignored.discard(logging.Logger.info)
 
 
+def test_a_method_the_logger_class_gains_between_calls_is_ignored_from_the_next_call(monkeypatch):
+    # transformers adds its *_once and warning_advice methods to logging.Logger when imported,
+    # which may be after fasttrain's first compiled call
+    def warning_advice(self, *args, **kwargs):
+        pass
+
+    ignored = ignored_logging_functions()
+    if "warning_advice" in vars(logging.Logger):
+        monkeypatch.delattr(logging.Logger, "warning_advice")
+    with ignoring_logger_calls():
+        assert warning_advice not in ignored and logging.Logger.warning in ignored
+    monkeypatch.setattr(logging.Logger, "warning_advice", warning_advice, raising=False)
+    with ignoring_logger_calls():
+        assert warning_advice in ignored
+    assert warning_advice not in ignored and logging.Logger.warning not in ignored
+
+
 def test_a_users_own_compile_still_breaks_at_logger_calls():
     # fasttrain's setting is not global: outside its calls dynamo does what it did
     torch._dynamo.utils.counters.clear()
