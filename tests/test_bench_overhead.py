@@ -91,7 +91,7 @@ def overhead_run(tmp_path_factory):
     threads = torch.get_num_threads()
     try:
         rc = main([
-            "bench", "--workload", "overhead", "--device", "cpu", "--steps", "8", "--warmup", "2",
+            "bench", "--workload", "overhead", "--device", "cpu", "--steps", "30", "--warmup", "2",
             "--repeats", "2", "--peers", ",".join(CPU_PEERS), "--out", str(out), "--no-progress",
         ])
     finally:
@@ -110,7 +110,7 @@ def test_a_short_run_times_every_peer_on_the_process_cpu_clock(overhead_run):
     for name in CPU_PEERS:
         assert peers[name]["status"] == "ok", (name, peers[name]["reason"])
         assert len(peers[name]["step_times"]) + peers[name]["invalid_repeats"] == 2
-    # no host read inside a step: 8 steps hold no flush (every 50 updates), the epoch-end one
+    # no host read inside a step: 30 steps hold no flush (every 50 updates), the epoch-end one
     # cancels in the difference of the two runs
     for name in ("bare", "fasttrain-eager", "fasttrain-lightning"):
         assert peers[name]["host_syncs_per_step"] == 0, (name, peers[name]["sync_sites"])
@@ -125,10 +125,16 @@ def test_the_table_pairs_fasttrain_lightning_with_lightning_and_fasttrain_eager(
     data = json.loads((out / "overhead-tiny.json").read_text())
     times = {p["name"]: p["step_times"] for p in data["peers"]}
     for ref in ("lightning", "fasttrain-eager"):
-        line = next(line for line in text.splitlines() if line.startswith(f"- fasttrain-lightning / {ref}: "))
+        lines = [line for line in text.splitlines() if line.startswith(f"- fasttrain-lightning / {ref}: ")]
+        if not (times["fasttrain-lightning"] and times[ref]):
+            # a peer whose every repeat timed negative on this short run (noise larger than its
+            # steps; counted as invalid repeats) has no throughput to pair
+            assert lines == []
+            continue
+        assert len(lines) == 1
         ratios = sorted(b / p for p, b in zip(times["fasttrain-lightning"], times[ref]))
         if len(ratios) == 2:  # both repeats valid: the median of two is their mean
-            assert line.endswith(f"{sum(ratios) / 2:.2f} [{ratios[0]:.2f}-{ratios[1]:.2f}]"), line
+            assert lines[0].endswith(f"{sum(ratios) / 2:.2f} [{ratios[0]:.2f}-{ratios[1]:.2f}]"), lines[0]
 
 
 def python_calls_per_step(peer) -> float:
