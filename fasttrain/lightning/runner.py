@@ -163,30 +163,27 @@ class ModuleRunner(FasttrainTrainer):
 
     # ------------------------------------------------------------------ the step, as hooks
     def run_step(self, name: str, *args):
-        """The module's step method ``name`` (through the prepared model, so DDP sees it as the
-        forward), with ``_current_fx_name`` set for ``self.log`` and, on the eager engine, the
-        fast ``self.log`` in place while it runs."""
+        """The module's step method ``name`` (on the module itself in one plain process, as
+        Lightning calls it; else through the prepared model, so DDP sees it as the forward), with
+        ``_current_fx_name`` set for ``self.log`` and, on the eager engine, the fast ``self.log``
+        in place while it runs."""
         state = self.lt.lightning_module.__dict__  # skips nn.Module.__setattr__ on the hot path
         state["_current_fx_name"] = name
         step_log = self.step_log
         if step_log is not None:
             state["log"] = step_log
-        step = self._step_methods_of
         try:
+            step = self._step_methods_of
             if step is not None:
-                # Lightning's single-process strategies call the step method itself, not the
-                # module: no module hooks, no nn.Module call on the hot path
-                method = getattr(step, name)
-                if self._full_precision:
-                    output = method(*args)
-                else:
-                    with self._accelerator.autocast():
-                        output = method(*args)
-            elif self._full_precision:
-                output = self.model(name, *args)
+                # no module hooks, no nn.Module call on the hot path (calls_steps_directly)
+                target = getattr(step, name)
+            else:
+                target, args = self.model, (name, *args)
+            if self._full_precision:
+                output = target(*args)
             else:
                 with self._accelerator.autocast():
-                    output = self.model(name, *args)
+                    output = target(*args)
         finally:
             if step_log is not None:
                 state.pop("log", None)
