@@ -123,6 +123,10 @@ def test_readme_table_from_result_file(tmp_path):
     # per-repeat ratios bare/peer: 0.5, 0.5, 0.5238 -> median 0.50 [0.50-0.52]
     assert "| fasttrain-cudagraph (ran compiled) | 47.6 [41.7-50] | 0.50 [0.50-0.52] | n/a |" in table
     assert "| bare | 90.9 [83.3-100] | 1.00 [1.00-1.00] |" in table
+    assert ": mlp tiny, batch 64, fp32; 10 steps" in table  # no optimizer recorded: none named
+    # a workload that records its optimizer names it, as the report's title does
+    result["workload"]["optimizer"] = "AdamW(fused=True)"
+    assert ": mlp tiny, batch 64, fp32, AdamW(fused=True); 10 steps" in render_table(result, "res.json")
 
 
 def test_readme_section_quoted_verbatim_from_a_markdown_result_file(tmp_path):
