@@ -32,19 +32,12 @@ import torch
 
 from fasttrain.callbacks import StopTrainingError
 from fasttrain.engine.clipping import gradients_of
+from fasttrain.engine.hyperparams import steps_in_fused_kernels
 from fasttrain.engine.masked_step import masked_step_for
 from fasttrain.signals import share_stop_decisions
 
 POLICIES = ("stop", "skip", "ignore")
 _REASONS = (None, "nonfinite_loss", "nonfinite_gradients")  # ordered: codes shared between processes
-
-
-def _fused_torch_optimizer(optimizer) -> bool:
-    return (
-        isinstance(optimizer, torch.optim.Optimizer)
-        and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        and bool(optimizer.defaults.get("fused", False))
-    )
 
 
 @torch.compiler.disable
@@ -71,7 +64,7 @@ class NonFiniteGuard:
         self.checks_gradients = policy == "skip" and not has_loss_scaler
         # the torch optimizer itself: accelerate's wrapper forwards step() to it
         self._optimizer = getattr(optimizer, "optimizer", optimizer)
-        self.device_skip = self.checks_gradients and _fused_torch_optimizer(self._optimizer)
+        self.device_skip = self.checks_gradients and steps_in_fused_kernels(self._optimizer)
         self.found_inf: Optional[torch.Tensor] = None
         self.pending_skips: Optional[torch.Tensor] = None
         #: the epoch's (loss sum, sample count) over all processes, as of the last flush

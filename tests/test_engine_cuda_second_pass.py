@@ -98,8 +98,10 @@ def test_fused_adam_steps_without_a_sync_in_the_compiled_engine(opt_cls):
     trainer = result.trainer
     assert trainer._engine.active_engine == "compiled"
     group = trainer.optimizer.param_groups[0]
-    lr, betas = held_hyperparams(trainer)
-    assert lr.device.type == "cuda" and betas is None and all(type(b) is float for b in group["betas"])
+    # the update's hooks run uncompiled for a fused kernel (dynamo does not trace it), with the
+    # groups' float learning rate and betas, which the kernel takes as arguments: no host read
+    assert trainer._engine._hparams is None
+    assert type(group["lr"]) is float and all(type(b) is float for b in group["betas"])
     assert trainer.syncs and set(trainer.syncs) == {0}
 
 

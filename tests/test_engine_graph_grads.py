@@ -116,3 +116,21 @@ def test_fused_adamw_is_captured_and_steps_as_eagers_fused_step():
     assert type(group["lr"]) is float  # the group's own value outside the compiled calls
     assert sum(step.graph.replays for step in engine._train_graphs.values()) > 0
     assert_runs_match(eager, graphed)
+
+
+def test_fused_adamw_whose_betas_a_scheduler_cycles_falls_back_once_and_steps_as_eager():
+    """OneCycleLR cycles beta1 by default; the fused kernel takes betas as floats, which a graph
+    would replay at their captured value. The graphed engine falls back with one warning saying
+    what keeps the graphs, and the compiled engine it falls back to steps the fused kernel
+    uncompiled, with each update's betas: eager's weights, and nothing recompiled for the betas."""
+    case = mlp_case(epochs=2)  # one_cycle() with cycle_momentum=True
+    case.optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    eager = run(case, "eager", eval_dataset=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    messages = fasttrain_warnings(caught)
+    assert len(messages) == 1, messages
+    assert "'betas'" in messages[0] and "cycle_momentum=False" in messages[0] and "fused=False" in messages[0]
+    assert graphed.trainer._engine.active_engine == "compiled"
+    assert_runs_match(eager, graphed)

@@ -16,12 +16,13 @@ import warnings
 
 import pytest
 import torch
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 from fasttrain import Trainer
 from fasttrain import prepare
 from fasttrain.engine import auto_engine_name, create_engine
-from fasttrain.engine.compiled_functions import CompileSettings
+from fasttrain.engine.compiled_functions import UPDATE, CompileSettings
 from fasttrain.schedulers import CosineLrScheduler
 
 from engine_cases import (
@@ -179,6 +180,33 @@ def test_mlp_adamw_one_cycle_norm_clipping_and_second_train(engine_warnings):
     )
     assert dynamo_counts() == before
     assert trainer._engine.active_engine == "compiled"
+
+
+def test_a_fused_optimizer_steps_uncompiled_as_in_eager(engine_warnings):
+    """Dynamo does not trace torch's fused optimizer kernels: compiling the update would only add
+    graph breaks and guard checks around the same eager kernel. The compiled engine calls the
+    update's hooks uncompiled for them, so nothing of the update is compiled, the betas OneCycleLR
+    cycles (fused kernels take them as floats) are no constants to recompile or warn about, and
+    the weights are eager's."""
+    case = Case(
+        model=TinyGPT,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1, fused=True),
+        data=token_data,
+        loss=token_loss,
+        epochs=2,
+        train_kwargs=dict(gradient_accumulation_steps=2, gradient_clip_norm=1.0, create_scheduler_fn=one_cycle(3e-3)),
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled", AOT)
+    assert_runs_match(eager, compiled)
+    assert_compiled_steady(compiled)
+    assert not list(engine_warnings), [str(w.message) for w in engine_warnings]
+    engine = compiled.trainer._engine
+    update_code = engine._functions.codes[UPDATE]
+    assert _debug_get_cache_entry_list(update_code) == []
+    assert engine._hparams is None  # the groups keep their floats: the fused kernel takes them
+    group = compiled.trainer.optimizer.param_groups[0]
+    assert type(group["lr"]) is float and all(type(b) is float for b in group["betas"])
 
 
 # ----------------------------------------------------------------------------- fallbacks

@@ -46,7 +46,7 @@ from fasttrain.errors import StopTrainingError
 from fasttrain.sharding import is_fsdp2
 from fasttrain.engine.context import StepContext
 from fasttrain.engine.eager import EagerEngine
-from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer, settings_advice
+from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer, settings_advice, steps_in_fused_kernels
 from fasttrain.engine import recompile_limit
 from fasttrain.engine.graph_report import HookGraphs
 from fasttrain.engine.snapshot import StepSnapshot
@@ -75,6 +75,11 @@ class CompiledEngine(StepEngine):
     #: switch Adam/AdamW to capturable=True on CUDA: a device-side step counter (no host reads),
     #: which a tensor learning rate needs with the foreach implementation
     capturable_optimizer = True
+    #: compile the update when the optimizer steps with torch's fused kernels. Dynamo does not trace
+    #: those: a compiled update would run the same kernel eagerly behind graph breaks, with guard
+    #: checks on the optimizer's state before it, so this engine calls the update's hooks as the
+    #: eager engine does. The graphed engine compiles it, to capture the update as one graph.
+    compiles_fused_update = False
 
     def __init__(self, ctx: StepContext, settings: Optional[CompileSettings] = None):
         super().__init__(ctx)
@@ -88,6 +93,8 @@ class CompiledEngine(StepEngine):
         self._eval_fallback: Optional[StepEngine] = None
         self._trusted = False
         self._clipper_noted = None
+        #: the update runs uncompiled (see compiles_fused_update)
+        self._eager_update = False
         self.training = True
         self._warned_settings = False
         self._hits_seen = 0
@@ -125,8 +132,10 @@ class CompiledEngine(StepEngine):
         self._hits_seen = recompile_limit.hit_count()
         if training and train_reason is None and trainer.optimizer is not None:
             recompile_limit.reserve_for(inner_optimizer(trainer.optimizer))
-            self._hparams = TensorHyperparams(trainer.optimizer, capturable=self.capturable_optimizer)
-            self._hparams.apply()
+            self._eager_update = not self.compiles_fused_update and steps_in_fused_kernels(trainer.optimizer)
+            if not self._eager_update:  # an eager update reads the groups' own values
+                self._hparams = TensorHyperparams(trainer.optimizer, capturable=self.capturable_optimizer)
+                self._hparams.apply()
         warn = not self.quiet_setup_fallback
         if train_reason is not None:
             self._fall_back_train(None, train_reason, self.setup_fallback, warn=warn, redo=False)
@@ -379,7 +388,11 @@ class CompiledEngine(StepEngine):
             clipper.note_gradient_layout()
             self._clipper_noted = clipper
         self._hook = "optimizer_step"
-        norm = self._call(UPDATE)
+        if self._eager_update:
+            norm = self.ctx.clip()
+            trainer.optimizer_step()
+        else:
+            norm = self._call(UPDATE)
         if norm is not None:
             self.last_grad_norm = norm
         if trainer.scheduler is not None and not self.ctx.step_was_skipped():

@@ -74,7 +74,7 @@ from fasttrain.sharding import is_fsdp2
 from fasttrain.engine.graph_capture import DeviceCapture
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.graph_grads import GradientKeeper
-from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer
+from fasttrain.engine.hyperparams import CAPTURABLE_OPTIMIZERS, TensorHyperparams, inner_optimizer, settings_advice
 from fasttrain.engine.long_lived import LongLivedTensors
 from fasttrain.engine.graph_eval import GraphedEvaluation
 from fasttrain.engine.host_state import HostStateWatch
@@ -91,6 +91,8 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
     # a symbolic integer would be replayed at its captured value: the graphs' code keeps its
     # constants and its guards, checked before each replay (step_guards.py)
     symbolic_ints = False
+    # the update is captured through its compiled function (its guards are the replay's guards)
+    compiles_fused_update = True
 
     def __init__(self, ctx: StepContext, settings: Optional[CompileSettings] = None):
         super().__init__(ctx, settings)
@@ -524,9 +526,10 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         self._fall_back_train(
             None,
             f"the scheduler changes {changes[0]}, which a captured graph would keep at its captured "
-            "value; the learning rate and Adam's betas are held as tensors and may change",
+            "value",
             CompiledEngine,
             redo=False,
+            advice=f"{settings_advice(changes)}.",
         )
 
     def _drop_graphs(self) -> None:

@@ -53,7 +53,7 @@ def settings_advice(changes: List[str]) -> str:
     if any("['betas']" in change for change in changes):
         return (
             "fused Adam/AdamW takes betas as floats (a tensor would be read back every update), so "
-            "each new value of the betas recompiles the step: use cycle_momentum=False in the "
+            "a captured or compiled step holds their value: use cycle_momentum=False in the "
             "scheduler, or fused=False (whose betas are held as tensors and may change freely)"
         )
     return (
@@ -105,6 +105,21 @@ def plain_optimizer_state(optimizer, state: Optional[dict] = None) -> dict:
 def inner_optimizer(optimizer):
     """The torch optimizer under accelerate's wrapper (or the optimizer itself)."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def steps_in_fused_kernels(optimizer) -> bool:
+    """True for a torch optimizer whose every parameter group steps with its fused kernel
+    (``Adam/AdamW/SGD/Adagrad(fused=True)``). Dynamo does not trace those kernels (torch wraps
+    them in ``torch.compiler.disable``): a compiled step runs them as it would eagerly, behind a
+    graph break."""
+    optimizer = inner_optimizer(optimizer)
+    groups = getattr(optimizer, "param_groups", None)
+    return (
+        isinstance(optimizer, torch.optim.Optimizer)
+        and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        and bool(groups)
+        and all(group.get("fused") for group in groups)
+    )
 
 
 def _group_device(group: dict) -> torch.device:
