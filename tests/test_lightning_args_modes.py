@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment  # noqa: E402
 from lightning.pytorch.plugins import DoublePrecision, HalfPrecision, MixedPrecision, Precision  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
@@ -188,6 +189,45 @@ def test_precision_and_environment_plugins_train_as_in_lightning(plugins, precis
     if given:
         assert ft.precision_plugin is given[0]
     assert_same_weights(lm, fm, atol=1e-2 if precision == "bf16-mixed" else 1e-6)
+
+
+class ReturnsLogits(Classifier):
+    """Returns its logits beside the loss, records the dtypes its hooks are handed, and predicts
+    logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        return {"loss": loss, "logits": logits}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.handed.append((outputs["loss"].dtype, outputs["logits"].dtype))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_bf16_mixed_steps_hand_back_their_outputs_in_the_dtypes_they_computed_as_in_lightning(engine):
+    """Lightning runs each step under autocast and hands its outputs on as they are (bf16 logits
+    from a Linear); nothing converts them to fp32 (accelerate's prepared forward would)."""
+    lt, lm, ft, fm = fit_both(ReturnsLogits, train_loader, trainer_kwargs=dict(max_epochs=1, precision="bf16-mixed"),
+                              fasttrain_kwargs=dict(engine=engine))
+    assert lm.handed[0] == (torch.float32, torch.bfloat16)
+    assert fm.handed == lm.handed
+    assert_same_weights(lm, fm, atol=1e-2)
+    predictions = [
+        _quietly(lambda: trainer.predict(module, val_loader())) for trainer, module in ((lt, lm), (ft, fm))
+    ]
+    assert [p.dtype for p in predictions[1]] == [p.dtype for p in predictions[0]] == [torch.bfloat16] * len(val_loader())
+    for ours, reference in zip(*reversed(predictions)):
+        torch.testing.assert_close(ours, reference, atol=1e-2, rtol=0)
 
 
 @pytest.mark.parametrize(

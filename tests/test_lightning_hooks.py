@@ -108,11 +108,11 @@ def test_on_train_batch_end_gets_lightnings_outputs():
         assert loss == pytest.approx(l_loss, rel=1e-5)
 
 
-def test_global_module_hooks_see_the_modules_that_lightning_calls_and_nothing_around_the_steps():
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_global_module_hooks_see_the_modules_that_lightning_calls_and_nothing_around_the_steps(precision):
     # Lightning's single-process strategies call training_step and validation_step on the module
-    # itself: a global forward hook sees the module's own calls (self(x) and its layers), never a
-    # call wrapping the step (in full precision; under mixed precision fasttrain's steps run
-    # through the module accelerate prepared, whose forward also converts the outputs to fp32)
+    # itself (under autocast in mixed precision): a global forward hook sees the module's own
+    # calls (self(x) and its layers), never a call wrapping the step
     from fasttrain.lightning import Trainer as FastTrainer
 
     calls = {}
@@ -127,7 +127,7 @@ def test_global_module_hooks_see_the_modules_that_lightning_calls_and_nothing_ar
             current[:] = [trainer_cls.__module__]
             calls[current[0]] = []
             torch.manual_seed(0)
-            trainer_cls(max_epochs=1, num_sanity_val_steps=1, **QUIET).fit(
+            trainer_cls(max_epochs=1, num_sanity_val_steps=1, precision=precision, **QUIET).fit(
                 Classifier(), train_loader(), val_loader()
             )
     finally:

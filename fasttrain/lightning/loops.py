@@ -578,7 +578,7 @@ def _run_predict(lt, runner, loaders):
     hooks("on_predict_start")
     hooks("on_predict_epoch_start")
     several = len(loaders) > 1
-    predict = functools.partial(runner.model, "predict_step")
+    predict = runner.model_call("predict_step")
     profiler = lt.profiler if profiling(lt) else None
     if profiler is not None:
         predict = timed(profiler, strategy_action(lt, "predict_step"), predict)

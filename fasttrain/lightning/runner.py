@@ -10,6 +10,8 @@ replaces the epoch loop (:meth:`ModuleRunner.train`) and calls the engine once p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
@@ -37,7 +39,7 @@ class ModuleRunner(FasttrainTrainer):
         self.window_start = True  # the micro-step opens an accumulation window
         #: ``self.log`` for the module's steps on the eager engine (see fast_log.py), else None
         self.step_log = None
-        #: no autocast around the steps (decided per run; accelerate's autocast is right either way)
+        #: no autocast around the steps (decided per run; with mixed precision, run_step enters it)
         self._full_precision = False
         #: the LightningModule whose step methods run_step calls itself, when the prepared model
         #: is the plain StepModule (decided per run, see calls_steps_directly); else None
@@ -93,6 +95,8 @@ class ModuleRunner(FasttrainTrainer):
         eager = getattr(self._engine, "name", None) == "eager"
         self.step_log = step_logger(self.lt.lightning_module, self.lt) if eager else None
         self._full_precision = self._accelerator.mixed_precision == "no"
+        if not self._full_precision:
+            keep_output_dtypes(self.lt.lightning_module.__dict__.get("_fasttrain_step_module"))
         self._step_methods_of = calls_steps_directly(self.model)
         # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
         module = self.lt.lightning_module
@@ -189,6 +193,21 @@ class ModuleRunner(FasttrainTrainer):
                 state.pop("log", None)
         state["_current_fx_name"] = None
         return output
+
+    def model_call(self, name: str):
+        """A callable that runs step ``name`` through the prepared model (as DDP's forward), under
+        this run's autocast: what ``run_step`` does, for the loops that set the module's state
+        themselves (prediction)."""
+        call = functools.partial(self.model, name)
+        if self._full_precision:
+            return call
+        autocast = self._accelerator.autocast
+
+        def under_autocast(*args):
+            with autocast():
+                return call(*args)
+
+        return under_autocast
 
     def calculate_train_batch_loss(self, batch) -> dict:
         output = self.run_step("training_step", *self.step_args("training_step", batch, self.batch_idx))
@@ -344,10 +363,26 @@ def step_module_for(module) -> "StepModule":
     return step
 
 
+def keep_output_dtypes(step) -> None:
+    """Take accelerate's mixed-precision forward off the StepModule ``step`` (None: nothing to
+    do). accelerate replaces a prepared module's forward with one that runs under autocast and
+    converts the outputs to fp32; Lightning runs a step under autocast and hands back what it
+    returned, in the dtypes it computed them in. The runner enters the autocast around each step
+    itself (``run_step``, ``model_call``), so without the replaced forward a step's outputs are
+    Lightning's, and a module in one process has its steps called directly."""
+    if step is None:
+        return
+    state = step.__dict__
+    original = state.get("_original_forward")
+    if "forward" in state and getattr(original, "__func__", None) is StepModule.forward:
+        del state["forward"]
+        del state["_original_forward"]
+
+
 def calls_steps_directly(model):
     """The LightningModule inside ``model`` when ``model`` is the StepModule exactly as built: no
-    process wrapper (DDP, FSDP), no hook on it, no forward replaced (accelerate's autocast
-    wrapper). Then calling a step method on the module is what calling the StepModule does,
+    process wrapper (DDP, FSDP), no hook on it, no forward replaced (accelerate's mixed-precision
+    forward is taken off first, by :func:`keep_output_dtypes`). Then calling a step method on the module is what calling the StepModule does,
     without the module call; Lightning's single-process strategies call it the same way."""
     if type(model) is not StepModule or "forward" in model.__dict__:
         return None
