@@ -186,6 +186,7 @@ def step_context(trainer, base: type) -> StepContext:
         except TypeError:  # no loader (evaluate()) or one without a length
             return None
 
+    step_in_epoch, last_batch = trainer._epoch_position()
     return StepContext(
         trainer=trainer,
         loss_for_backward=LossScaling.from_run_config(config) if config is not None else LossScaling(),
@@ -195,8 +196,9 @@ def step_context(trainer, base: type) -> StepContext:
         overridden_hooks=trainer._overridden_step_hooks(base),
         capture_blockers=blockers,
         training=trainer._train_dataloader is not None,
-        step_in_epoch=lambda: trainer.progress.step_in_epoch,
+        step_in_epoch=step_in_epoch,
         train_batches=train_batches,
+        last_batch=last_batch,
         mutated_flags=trainer._update_clip.mutated_flags,
         update_read_host=lambda: trainer._nonfinite.last_update_read_host,
         before_update_capture=trainer._update_clip.before_capture,

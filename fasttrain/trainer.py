@@ -541,6 +541,11 @@ class Trainer(ForwardBackwardHelper):
         """What the engines' compiled functions are kept with (StepContext.compile_owner)."""
         return self
 
+    def _epoch_position(self):
+        """``(step_in_epoch, last_batch)`` for the step context: where in its epoch the step about
+        to run is (engine/context.py); ``last_batch`` None: from the epoch's batch count."""
+        return (lambda: self.progress.step_in_epoch), None
+
     def _host_effects(self):
         """What a step's Python leaves for the host that a graph replay must redo: nothing here
         (the Lightning runner's ``self.log`` calls)."""

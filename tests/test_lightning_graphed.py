@@ -96,6 +96,38 @@ def test_the_graphed_engine_fits_a_default_module_as_lightning_does(graphed_engi
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
 
 
+class CountsEpochChecks(ReplaysRunNoPython):
+    """Counts the checks the graphed engine makes at an epoch's first step (what a callback may
+    have frozen or swapped at the epoch's start)."""
+
+    epoch_checks = 0
+
+    def _check_trainable(self):
+        CountsEpochChecks.epoch_checks += 1
+        super()._check_trainable()
+
+
+def test_an_epoch_whose_last_batch_is_partial_keeps_the_graphs_as_under_lightning(monkeypatch):
+    """52 samples in batches of 8: six full batches and a last one of 4 each epoch. The engine
+    sees Lightning's batch index and last-batch flag: the partial batch runs on graphs of its
+    own (not a change of shape that ends the graphs), and what an epoch's start may change is
+    checked once per epoch, not at every step."""
+    monkeypatch.setitem(ENGINES, "cudagraph", CountsEpochChecks)
+    CountsEpochChecks.epoch_checks = 0
+
+    def partial_last_batch():
+        return loader(classification_data(n=52), batch_size=8, shuffle=True)
+
+    lt, lm, ft, fm = fit_both(Classifier, partial_last_batch, trainer_kwargs=dict(max_epochs=3),
+                              fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT))
+    assert ft.engine == "cudagraph"
+    engine = ft._runner._engine
+    assert set(engine._train_graphs) == {True} and set(engine._last_graphs) == {True}
+    assert CountsEpochChecks.epoch_checks == 3
+    assert ft.global_step == lt.global_step == 21
+    assert_same_weights(lm, fm, atol=1e-5)
+
+
 class LogsAMetric(Classifier):
     def __init__(self):
         super().__init__()

@@ -75,6 +75,9 @@ class StepContext:
     :param training: False for ``evaluate()``, which sets up no training step.
     :param step_in_epoch: the index of the micro-step about to run in the current epoch.
     :param train_batches: the number of batches of a training epoch (None when unknown).
+    :param last_batch: whether the micro-step about to run is its epoch's last, where the loop
+        knows it better than ``step_in_epoch`` and ``train_batches`` tell (a batch limit, a
+        loader of unknown length read one batch ahead); None: from those two.
     :param mutated_flags: the device flags the clipping kernels raise in place, restored with
         the rest of the step when a failed step is undone.
     :param keeps_model_outputs: ``phase -> bool`` ("train", "eval"): whether a callback reads
@@ -102,6 +105,7 @@ class StepContext:
     training: bool = True
     step_in_epoch: Callable[[], int] = lambda: 0
     train_batches: Callable[[], Optional[int]] = lambda: None
+    last_batch: Optional[Callable[[], bool]] = None
     mutated_flags: Callable[[], tuple] = lambda: ()
     update_read_host: Callable[[], bool] = lambda: False
     keeps_model_outputs: Callable[[str], bool] = lambda phase: True

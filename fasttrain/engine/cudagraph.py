@@ -243,6 +243,9 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         self._last_trainable = trainable
 
     def _is_last_batch(self) -> bool:
+        last = self.ctx.last_batch
+        if last is not None:
+            return last()
         batches = self.ctx.train_batches()
         return batches is not None and self.ctx.step_in_epoch() + 1 == batches
 

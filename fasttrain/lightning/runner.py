@@ -297,6 +297,13 @@ class ModuleRunner(FasttrainTrainer):
     def _clip_for_update(self):
         return self._clip_gradients
 
+    def _epoch_position(self):
+        # Lightning's batch index, and the last-batch flag its loop sets before each step (a
+        # batch limit, a look-ahead for a loader of unknown length): the epoch's first step
+        # checks what changed at its start, and its last, partial batch gets graphs of its own
+        lt = self.lt
+        return (lambda: self.batch_idx), (lambda: lt.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
     def _host_effects(self):
         return LoggedCalls(self.lt)
 
