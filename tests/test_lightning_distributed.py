@@ -52,6 +52,31 @@ def test_two_processes_match_one_lightning_process(tmp_path, strategy):
         assert result["validated"][0]["val_loss"] == pytest.approx(result["val_loss"], abs=1e-6)
 
 
+def test_two_ddp_processes_in_bf16_mixed_hand_on_outputs_and_train_as_one_lightning_process(tmp_path):
+    """Under DDP the step runs through the process wrapper's forward, under the run's autocast,
+    and its outputs are handed on in the dtypes it computed them in, as Lightning does."""
+    launch = start(torchrun_two(HERE / "lightning" / "ddp_worker.py", tmp_path, "ddp", 1, "bf16-mixed"),
+                   tmp_path / "launch.log", launch_env(ACCELERATE_USE_CPU="1"))
+    finish(launch, time.monotonic() + 300, "the two processes", retry_s=300)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+    from ddp_worker import HandsOnLogits
+
+    torch.manual_seed(0)
+    reference = HandsOnLogits()
+    trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed",
+                        **QUIET)
+    trainer.fit(reference, loader(classification_data(), batch_size=8), loader(classification_data(n=16, seed=1), 8))
+    assert reference.handed and set(reference.handed) == {torch.bfloat16}
+    for result in ranks:
+        assert result["handed"] == reference.handed
+        assert result["global_step"] == trainer.global_step == 6
+        ours = HandsOnLogits()
+        ours.load_state_dict(result["state_dict"])
+        # bf16 rounds each process's half-batch apart from the whole batch: a few bf16 steps apart
+        assert_same_weights(reference, ours, atol=2e-2)
+
+
 def _reference():
     from ddp_worker import SyncedClassifier
 

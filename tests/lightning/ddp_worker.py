@@ -2,8 +2,9 @@
 Trainer over two gloo processes (DDP through accelerate) and save what the test compares,
 including what the trainer reported of the processes in the fit's set-up hooks.
 
-Usage: ddp_worker.py OUT_DIR [STRATEGY [NODES]]   (STRATEGY: ddp, the default, or fsdp; NODES:
-1, the default, or 2 for two torchrun launches of one process each, as two nodes)
+Usage: ddp_worker.py OUT_DIR [STRATEGY [NODES [PRECISION]]]   (STRATEGY: ddp, the default, or
+fsdp; NODES: 1, the default, or 2 for two torchrun launches of one process each, as two nodes;
+PRECISION: Lightning's, 32-true by default)
 """
 
 import sys
@@ -55,16 +56,34 @@ class RecordingClassifier(SyncedClassifier):
         self._record("configure_model")
 
 
+class HandsOnLogits(RecordingClassifier):
+    """Returns its logits beside the loss and records the dtype ``on_train_batch_end`` is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        return {"loss": loss, "logits": logits}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.handed.append(outputs["logits"].dtype)
+
+
 def _full(value):
     """A sharded (FSDP2) parameter gathered whole; anything else as it is."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def main(out: Path, strategy: str, nodes: int = 1) -> None:
+def main(out: Path, strategy: str, nodes: int = 1, precision: str = "32-true") -> None:
     torch.manual_seed(0)
-    module = RecordingClassifier()
+    module = RecordingClassifier() if precision == "32-true" else HandsOnLogits()
     trainer = Trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, strategy=strategy,
-                      devices=2 // nodes, num_nodes=nodes, accelerator="cpu", **QUIET)
+                      devices=2 // nodes, num_nodes=nodes, accelerator="cpu", precision=precision, **QUIET)
     # per process 4 samples a batch: the two processes together take the reference's batch of 8
     trainer.fit(module, loader(classification_data(), batch_size=4), loader(classification_data(n=16, seed=1), 4))
     validated = trainer.validate(module, loader(classification_data(n=16, seed=1), 4))
@@ -79,12 +98,14 @@ def main(out: Path, strategy: str, nodes: int = 1) -> None:
         "node_rank": trainer.node_rank,
         "num_nodes": trainer.num_nodes,
         "device_ids": trainer.device_ids,
+        "handed": getattr(module, "handed", None),
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp", int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp", int(sys.argv[3]) if len(sys.argv) > 3 else 1,
+         sys.argv[4] if len(sys.argv) > 4 else "32-true")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
     from worker_common import finish_worker
