@@ -64,6 +64,10 @@ def test_a_gradient_the_graph_never_had_is_refused():
         (lambda m, o: o.state.clear(), "optimizer state"),
         (lambda m, o: o.state.__setitem__(m[1].bias, {}), "optimizer state"),
         (lambda m, o: setattr(o, "state", type(o.state)()), "optimizer state was replaced"),
+        # two parameters' entries swapped: the same entries, bound to the other tensors
+        (lambda m, o: o.state.update({m[0].bias: o.state[m[1].bias], m[1].bias: o.state[m[0].bias]}), "optimizer state"),
+        # an entry for a tensor that had none (a defaultdict read creates one)
+        (lambda m, o: o.state[torch.nn.Parameter(torch.ones(1))], "optimizer state"),
     ],
 )
 def test_structure_changes_are_named(change, expected):
