@@ -107,15 +107,29 @@ class CountsEpochChecks(ReplaysRunNoPython):
         super()._check_trainable()
 
 
-def test_an_epoch_whose_last_batch_is_partial_keeps_the_graphs_as_under_lightning(monkeypatch):
+class _Stream(torch.utils.data.IterableDataset):
+    """The samples of a dataset, streamed: a loader of unknown length."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return (self.dataset[i] for i in range(len(self.dataset)))
+
+
+@pytest.mark.parametrize("length", ["known", "unknown"])
+def test_an_epoch_whose_last_batch_is_partial_keeps_the_graphs_as_under_lightning(monkeypatch, length):
     """52 samples in batches of 8: six full batches and a last one of 4 each epoch. The engine
-    sees Lightning's batch index and last-batch flag: the partial batch runs on graphs of its
-    own (not a change of shape that ends the graphs), and what an epoch's start may change is
-    checked once per epoch, not at every step."""
+    sees Lightning's batch index and last-batch flag (from a one-batch look-ahead where the
+    loader has no length): the partial batch runs on graphs of its own (not a change of shape
+    that ends the graphs), and what an epoch's start may change is checked once per epoch, not
+    at every step."""
     monkeypatch.setitem(ENGINES, "cudagraph", CountsEpochChecks)
     CountsEpochChecks.epoch_checks = 0
 
     def partial_last_batch():
+        if length == "unknown":
+            return torch.utils.data.DataLoader(_Stream(classification_data(n=52)), batch_size=8)
         return loader(classification_data(n=52), batch_size=8, shuffle=True)
 
     lt, lm, ft, fm = fit_both(Classifier, partial_last_batch, trainer_kwargs=dict(max_epochs=3),
