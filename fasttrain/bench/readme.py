@@ -69,7 +69,8 @@ def render_table(result: Dict[str, object], source: str) -> str:
     lines = [
         f"{env['device_name']}, {settings['threads']} thread(s), torch {env['torch']}; "
         f"`{settings['command']}`: {wl['workload']} {wl['size']}, batch {wl['batch_size']}, "
-        f"{wl['amp_dtype']}{', ' + wl['optimizer'] if 'optimizer' in wl else ''}; {settings['steps']} steps after {settings['warmup']} warm-up, "
+        f"{wl['amp_dtype']}{', ' + wl['optimizer'] if 'optimizer' in wl else ''}; "
+        f"{settings['steps']} steps after {settings['warmup']} warm-up, "
         f"{repeats} interleaved repeats{interrupted}, {settings.get('clock', 'wall')} clock. "
         f"Values are median [min-max] over the repeats; ratios are per repeat. "
         f"Source: `{source}`.",

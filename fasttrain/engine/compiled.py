@@ -40,6 +40,7 @@ from fasttrain.engine.compiled_functions import (
     CompileSettings,
     compiled_functions,
     settings_for_engine,
+    _update,
 )
 from fasttrain.engine.base import StepEngine
 from fasttrain.errors import StopTrainingError
@@ -389,8 +390,7 @@ class CompiledEngine(StepEngine):
             self._clipper_noted = clipper
         self._hook = "optimizer_step"
         if self._eager_update:
-            norm = self.ctx.clip()
-            trainer.optimizer_step()
+            norm = _update(self.ctx)  # the same hooks, uncompiled
         else:
             norm = self._call(UPDATE)
         if norm is not None:

@@ -135,6 +135,8 @@ def _train_forward(ctx: StepContext, batch):
 
 
 def _update(ctx: StepContext):
+    """The update's hooks: what the compiled update compiles, and what the compiled engine calls
+    as it is where compiling would gain nothing (a fused optimizer: CompiledEngine)."""
     norm = ctx.clip()
     ctx.trainer.optimizer_step()
     return norm

@@ -389,8 +389,9 @@ def keep_output_dtypes(step) -> None:
 def calls_steps_directly(model):
     """The LightningModule inside ``model`` when ``model`` is the StepModule exactly as built: no
     process wrapper (DDP, FSDP), no hook on it, no forward replaced (accelerate's mixed-precision
-    forward is taken off first, by :func:`keep_output_dtypes`). Then calling a step method on the module is what calling the StepModule does,
-    without the module call; Lightning's single-process strategies call it the same way."""
+    forward is taken off first, by :func:`keep_output_dtypes`). Then calling a step method on the
+    module is what calling the StepModule does, without the module call; Lightning's
+    single-process strategies call it the same way."""
     if type(model) is not StepModule or "forward" in model.__dict__:
         return None
     if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks:
