@@ -13,7 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment  # noqa: E402
 from lightning.pytorch.plugins import DoublePrecision, HalfPrecision, MixedPrecision, Precision  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
@@ -22,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
-    QUIET, Classifier, assert_same_weights, fit_both, train_loader, val_loader,
+    QUIET, Classifier, ReturnsLogits, assert_same_weights, fit_both, train_loader, val_loader,
 )
 
 BOTH = (L.Trainer, Trainer)
@@ -189,28 +188,6 @@ def test_precision_and_environment_plugins_train_as_in_lightning(plugins, precis
     if given:
         assert ft.precision_plugin is given[0]
     assert_same_weights(lm, fm, atol=1e-2 if precision == "bf16-mixed" else 1e-6)
-
-
-class ReturnsLogits(Classifier):
-    """Returns its logits beside the loss, records the dtypes its hooks are handed, and predicts
-    logits."""
-
-    def __init__(self):
-        super().__init__()
-        self.handed = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        self.log("train_loss", loss)
-        return {"loss": loss, "logits": logits}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.handed.append((outputs["loss"].dtype, outputs["logits"].dtype))
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0])
 
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_modules import QUIET, Classifier, classification_data, loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, ReturnsLogits, classification_data, loader  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
 
@@ -56,22 +56,8 @@ class RecordingClassifier(SyncedClassifier):
         self._record("configure_model")
 
 
-class HandsOnLogits(RecordingClassifier):
-    """Returns its logits beside the loss and records the dtype ``on_train_batch_end`` is handed."""
-
-    def __init__(self):
-        super().__init__()
-        self.handed = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        self.log("train_loss", loss)
-        return {"loss": loss, "logits": logits}
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.handed.append(outputs["logits"].dtype)
+class HandsOnLogits(ReturnsLogits, RecordingClassifier):
+    """Returns its logits beside the loss and records the dtypes ``on_train_batch_end`` is handed."""
 
 
 def _full(value):

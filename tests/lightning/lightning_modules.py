@@ -78,6 +78,28 @@ class Classifier(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
+class ReturnsLogits(Classifier):
+    """Returns its logits beside the loss, records the dtypes ``on_train_batch_end`` is handed
+    (loss, logits), and predicts logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.handed = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        return {"loss": loss, "logits": logits}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.handed.append((outputs["loss"].dtype, outputs["logits"].dtype))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
 class ScheduledClassifier(Classifier):
     """SGD with momentum, a per-epoch StepLR and a per-step OneCycle in a list of dicts."""
 
