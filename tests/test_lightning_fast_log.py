@@ -1,5 +1,6 @@
-"""``self.log`` in eager steps (fasttrain/lightning/fast_log.py): the same result as
-``LightningModule.log`` for every kind of call, with the per-fit checks made once per fit."""
+"""``self.log`` in steps (fasttrain/lightning/fast_log.py): the same result as
+``LightningModule.log`` for every kind of call, with the per-fit checks made once per fit, run
+by the eager engine and traced by the compiled ones."""
 
 import sys
 import warnings
@@ -219,3 +220,72 @@ def test_python_calls_per_step_stay_close_to_fasttrains_own_trainer():
     assert eager > 100  # the counting sees the steps
     assert per_step["fasttrain-lightning", False] - eager < 40, per_step
     assert per_step["fasttrain-lightning", True] - per_step["fasttrain-lightning", False] < 100, per_step
+
+
+@pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
+def test_compiled_steps_trace_the_fast_log_and_log_what_lightning_logs(monkeypatch, engine):
+    """The compiled and graphed engines trace a step with the fast log in place. Traced,
+    ``LightningModule.log`` adds its signature inspection and collection walks to the guards that
+    dynamo checks before every call of the compiled step and the graphed engine before every
+    replay (about 120 of the 420 guards of the bench's Lightning step). The values logged are
+    Lightning's, the module is left as it was, and a second fit of the same module runs the
+    training step's compiled variant again (a new fit's log is another function object)."""
+    from fasttrain.engine import ENGINES
+    from fasttrain.engine.compiled_functions import TRAIN_HOOK
+    from fasttrain.engine.step_guards import compiled_variants
+    from lightning_modules import assert_same_metrics, fit_both, train_loader, val_loader
+    from test_engine_graph_logic import AOT
+    from test_lightning_graphed import ReplaysRunNoPython
+
+    monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
+    options = dict(engine=engine, compile_options=AOT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lt, _, ft, module = fit_both(Classifier, train_loader, val_loader, trainer_kwargs=dict(max_epochs=2),
+                                     fasttrain_kwargs=options)
+        assert ft.engine == engine
+        assert "log" not in module.__dict__
+        assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
+        assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+        code = ft._runner._engine._functions.codes[TRAIN_HOOK]
+        variants = compiled_variants(code)
+        assert len(variants) == 1
+        guards = str(variants[0].guard_manager)
+        # what only LightningModule.log reads: its defaults, the step's signature, the walks
+        for lightning_only in ("is_param_in_hook_signature", "apply_to_collection", "'log'].__defaults__"):
+            assert lightning_only not in guards
+        again = Trainer(max_epochs=3, **QUIET, **options)
+        again.fit(module, train_loader(), val_loader())
+    assert again.global_step == 3 * ft.global_step // 2
+    assert again._runner._engine._functions.codes[TRAIN_HOOK] is code
+    assert len(compiled_variants(code)) == 1
+    assert "log" not in module.__dict__
+
+
+class LogsAroundBackward(Classifier):
+    """Logs in training_step and in the hooks around backward."""
+
+    def on_before_backward(self, loss):
+        self.log("loss_before_backward", loss * 2, on_step=True, on_epoch=True)
+
+    def on_after_backward(self):
+        self.log("grad_sum", sum(p.grad.abs().sum() for p in self.parameters()))
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_values_logged_around_backward_are_lightnings(engine):
+    """On the compiled engine the fast log is in place around the engine's whole call, backward
+    included: the hooks around backward log under their own names (with their own levels), the
+    values Lightning logs. (The graphed engine leaves a module that overrides them to the
+    compiled one.)"""
+    from lightning_modules import assert_same_metrics, assert_same_weights, fit_both, train_loader
+    from test_engine_graph_logic import AOT
+
+    lt, lm, ft, fm = fit_both(LogsAroundBackward, train_loader, trainer_kwargs=dict(max_epochs=2),
+                              fasttrain_kwargs=dict(engine=engine, compile_options=AOT))
+    assert ft.engine == engine, ft.engine
+    assert ft.global_step == lt.global_step == 12
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert {"loss_before_backward_step", "loss_before_backward_epoch", "grad_sum"} <= set(lt.callback_metrics)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)

@@ -13,10 +13,16 @@ files the value as ``LightningModule.log`` does; every other call (numbers, torc
 objects, a missing trainer or hook name, values that Lightning rejects, a warning to emit) goes to
 ``LightningModule.log`` itself, so errors and warnings are Lightning's own.
 
-The loops put it in the module's ``__dict__`` only while a step method runs (instance attributes
-come before class attributes, so ``self.log`` finds it) and remove it afterwards; the module is
-left as it was outside the step. It is used on the eager engine only: the compiled engines trace
-the step once and never run ``log``'s Python per step.
+The runner puts it in the module's ``__dict__`` only while a step runs (instance attributes come
+before class attributes, so ``self.log`` finds it) and removes it afterwards; the module is left
+as it was outside the step. On the eager engine that is the step method's call; the compiled
+engines trace it with the step, so it is in place around the engine's call instead (outside the
+traced function: dynamo would guard on the dict's changes), and what dynamo guards before every
+call of the compiled step (and before every replay of its CUDA graph) is this function's few
+checks rather than ``LightningModule.log``'s signature inspection and collection walks. Traced, it
+reads the hook's name from the module (``module._current_fx_name``: dynamo sees the runner's write
+of it inside the traced call there) and leaves its cache of logging levels as it found it (a
+cache filled while tracing would fail the compiled step's guards at its next call).
 """
 
 from __future__ import annotations
@@ -26,9 +32,27 @@ from typing import Callable, Optional
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-_Tensor = torch.Tensor
+
+#: the step methods whose logging levels step_logger decides before any step runs
+_STEPS = ("training_step", "validation_step", "test_step")
+_FLAGS = (None, True, False)
+
+
+def _step_levels() -> dict:
+    levels = {}
+    for fx in _STEPS:
+        for on_step in _FLAGS:
+            for on_epoch in _FLAGS:
+                try:
+                    levels[fx, on_step, on_epoch] = _FxValidator.check_logging_and_get_default_levels(
+                        fx, on_step=on_step, on_epoch=on_epoch
+                    )
+                except MisconfigurationException:
+                    pass  # a call with these raises Lightning's error, as LightningModule.log does
+    return levels
 
 
 def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
@@ -38,7 +62,9 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         return None
     original = LightningModule.log
     state = module.__dict__
-    levels: dict = {}  # (hook, on_step, on_epoch) -> Lightning's validated (on_step, on_epoch)
+    # (hook, on_step, on_epoch) -> Lightning's validated (on_step, on_epoch); filled for the step
+    # methods here, so that a traced step reads the dict instead of tracing Lightning's validator
+    levels = _step_levels()
     # a training_step that takes ``dataloader_iter`` must log with a batch_size: Lightning's
     # error, which its own log raises (decided once: the signature does not change in a fit)
     dataloader_iter_step = is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
@@ -46,10 +72,10 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
     def log(name, value, prog_bar=False, logger=None, on_step=None, on_epoch=None, reduce_fx="mean",
             enable_graph=False, sync_dist=False, sync_dist_group=None, add_dataloader_idx=True, batch_size=None,
             metric_attribute=None, rank_zero_only=False):
-        fx = state.get("_current_fx_name")
+        fx = module._current_fx_name
         results = trainer._results
         if (
-            value.__class__ is not _Tensor
+            value.__class__ is not torch.Tensor
             or fx is None
             or results is None
             or state.get("_trainer") is not trainer
@@ -68,9 +94,9 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         key = (fx, on_step, on_epoch)
         resolved = levels.get(key)
         if resolved is None:
-            resolved = levels[key] = _FxValidator.check_logging_and_get_default_levels(
-                fx, on_step=on_step, on_epoch=on_epoch
-            )
+            resolved = _FxValidator.check_logging_and_get_default_levels(fx, on_step=on_step, on_epoch=on_epoch)
+            if not torch.compiler.is_compiling():
+                levels[key] = resolved
         # Lightning's clone().detach().squeeze(): the same fresh, detached one-element tensor;
         # detaching first records no clone in the autograd graph, and a 0-dim value is final
         value = value.detach().clone()

@@ -137,7 +137,8 @@ def run_fit(lt, runner) -> None:
     zero_grad_total, zero_grad_current = optimizer_counts.zero_grad.total, optimizer_counts.zero_grad.current
     count_zero_grad = not lt._own_zero_grad  # else counted around the zero-grad hooks (runner)
     connector, pbar_metrics = lt._logger_connector, lt._pbar_metrics
-    automatic_step, manual_step = functools.partial(_automatic_step, lt, runner, engine), lt._manual_step
+    train_step = runner.engine_steps()[0]
+    automatic_step, manual_step = functools.partial(_automatic_step, lt, runner, train_step), lt._manual_step
     profiler = lt.profiler if profiling(lt) else None
     # fasttrain's default bar is the one listener of on_train_batch_end in most fits: it only
     # advances its counter (it reads no outputs and logs nothing), so the loop advances it
@@ -309,15 +310,16 @@ def run_fit(lt, runner) -> None:
     hooks("on_train_end")
 
 
-def _automatic_step(lt, runner, engine, batch, batch_idx: int, update: bool):
-    """A batch under automatic optimization: the engine's step, or on a stepping batch the
+def _automatic_step(lt, runner, train_step, batch, batch_idx: int, update: bool):
+    """A batch under automatic optimization: the engine's step (``train_step``, from
+    :meth:`ModuleRunner.engine_steps`), or on a stepping batch the
     module's ``optimizer_step`` with its closure (``lt._module_steps``); a batch whose
     ``training_step`` returned None ends on the host (see skipped_steps.py). Returns the step's
     output, None for a skipped step."""
     try:
         if update and lt._module_steps:
             return runner.closure_step(batch)
-        return engine.train_step(batch, update)
+        return train_step(batch, update)
     except StepReturnedNone:
         return skip_step(lt, runner, update, batch_idx)
 
@@ -470,7 +472,7 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     hooks.module_hook(f"on_{prefix}_model_eval")
     hooks(f"on_{prefix}_start")
     hooks(f"on_{prefix}_epoch_start")
-    engine = runner._engine
+    eval_step = runner.engine_steps()[1]
     several = len(loaders) > 1
     logged = []
     with torch.no_grad():
@@ -491,7 +493,7 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
                 results.start_batch(batch, loader_idx if several else None)
                 hooks(f"on_{prefix}_batch_start", batch, batch_idx, *extra)
                 progress.increment_started()
-                output = engine.eval_step(batch)
+                output = eval_step(batch)
                 if results.pending:
                     results.drain(lt.lightning_module.device)
                 progress.increment_processed()

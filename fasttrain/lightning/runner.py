@@ -37,8 +37,10 @@ class ModuleRunner(FasttrainTrainer):
         self.lt = lightning_trainer
         self.batch_idx = 0
         self.window_start = True  # the micro-step opens an accumulation window
-        #: ``self.log`` for the module's steps on the eager engine (see fast_log.py), else None
+        #: ``self.log`` for the module's steps (see fast_log.py), put in place by run_step on the
+        #: eager engine and around the engine's call on the compiled ones (engine_steps); else None
         self.step_log = None
+        self._log_around_engine = None
         #: no autocast around the steps (decided per run; with mixed precision, run_step enters it)
         self._full_precision = False
         #: the LightningModule whose step methods run_step calls itself, when the prepared model
@@ -91,9 +93,11 @@ class ModuleRunner(FasttrainTrainer):
 
     def _decide_step_calls(self) -> None:
         """What calling a step method involves in this run, decided once (see :meth:`run_step`)."""
-        # the compiled engines trace the step (and its self.log) once; only eager runs it per step
+        # the compiled engines trace the step with its self.log: the log goes in place around the
+        # engine's call, outside the traced function (engine_steps); eager puts it in run_step
         eager = getattr(self._engine, "name", None) == "eager"
-        self.step_log = step_logger(self.lt.lightning_module, self.lt) if eager else None
+        log = step_logger(self.lt.lightning_module, self.lt)
+        self.step_log, self._log_around_engine = (log, None) if eager else (None, log)
         self._full_precision = self._accelerator.mixed_precision == "no"
         if not self._full_precision:
             keep_output_dtypes(self.lt.lightning_module.__dict__.get("_fasttrain_step_module"))
@@ -193,6 +197,28 @@ class ModuleRunner(FasttrainTrainer):
                 state.pop("log", None)
         state["_current_fx_name"] = None
         return output
+
+    def engine_steps(self):
+        """The engine's ``train_step`` and ``eval_step`` as the loops call them: on a compiled
+        engine, each with the fast ``self.log`` in the module's ``__dict__`` while it runs (the
+        traced step, and the guards checked before a compiled call or a graph's replay, see it
+        there; the module is as it was outside the call)."""
+        engine, log = self._engine, self._log_around_engine
+        if log is None:
+            return engine.train_step, engine.eval_step
+        state = self.lt.lightning_module.__dict__
+
+        def with_log(call):
+            def step(*args):
+                state["log"] = log
+                try:
+                    return call(*args)
+                finally:
+                    state.pop("log", None)
+
+            return step
+
+        return with_log(engine.train_step), with_log(engine.eval_step)
 
     def model_call(self, name: str):
         """A callable that runs step ``name`` through the prepared model (as DDP's forward), under
