@@ -174,15 +174,18 @@ def test_eager_fit_checks_the_step_signature_once_and_never_falls_back(monkeypat
     assert {"train_loss", "train_loss_step", "train_loss_epoch", "train_max", "val_loss", "val_acc"} <= set(metrics)
 
 
-def test_a_failing_step_leaves_the_module_without_the_fast_log():
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_a_failing_step_leaves_the_module_without_the_fast_log(engine):
+    from test_engine_graph_logic import AOT
+
     class Failing(Classifier):
         def training_step(self, batch, batch_idx):
-            assert "log" in self.__dict__  # eager engine: the fast log is in place in the step
+            assert "log" in self.__dict__  # the fast log is in place in the step
             self.log("before", torch.tensor(1.0))
             raise RuntimeError("bad batch")
 
     module = Failing()
-    trainer = Trainer(max_epochs=1, engine="eager", **QUIET)
+    trainer = Trainer(max_epochs=1, engine=engine, compile_options=AOT, **QUIET)
     with pytest.raises(RuntimeError, match="bad batch"):
         trainer.fit(module, loader(classification_data(), batch_size=8))
     assert "log" not in module.__dict__
