@@ -11,7 +11,6 @@ every_n_train_steps=...)``) resumes at the next batch rather than at the epoch s
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 from pathlib import Path
 from typing import Optional

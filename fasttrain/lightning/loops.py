@@ -312,10 +312,9 @@ def run_fit(lt, runner) -> None:
 
 def _automatic_step(lt, runner, train_step, batch, batch_idx: int, update: bool):
     """A batch under automatic optimization: the engine's step (``train_step``, from
-    :meth:`ModuleRunner.engine_steps`), or on a stepping batch the
-    module's ``optimizer_step`` with its closure (``lt._module_steps``); a batch whose
-    ``training_step`` returned None ends on the host (see skipped_steps.py). Returns the step's
-    output, None for a skipped step."""
+    :meth:`ModuleRunner.engine_steps`), or on a stepping batch the module's ``optimizer_step``
+    with its closure (``lt._module_steps``); a batch whose ``training_step`` returned None ends
+    on the host (see skipped_steps.py). Returns the step's output, None for a skipped step."""
     try:
         if update and lt._module_steps:
             return runner.closure_step(batch)
