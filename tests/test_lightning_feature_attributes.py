@@ -4,7 +4,6 @@ assignable logger/loggers, PL_TRAINER_* environment defaults, the callbacks_fact
 point, default_root_dir "~", the public values of max_epochs/num_sanity_val_steps and
 trainer.state.stage in every loop."""
 
-import os
 import sys
 from pathlib import Path
 

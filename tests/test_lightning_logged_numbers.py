@@ -14,7 +14,6 @@ pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from lightning_modules import Classifier, assert_same_metrics, assert_same_weights, fit_both, train_loader, val_loader  # noqa: E402
 

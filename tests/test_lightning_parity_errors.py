@@ -17,7 +17,7 @@ import torchmetrics  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
-from lightning_modules import QUIET, Classifier, train_loader, val_loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, train_loader  # noqa: E402
 
 BOTH = (L.Trainer, Trainer)
 

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import EarlyStopping  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
-from lightning_modules import QUIET, Classifier, loader, train_loader, val_loader  # noqa: E402
+from lightning_modules import QUIET, Classifier, train_loader, val_loader  # noqa: E402
 
 BOTH = (L.Trainer, Trainer)
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import EarlyStopping, Timer  # noqa: E402
+from lightning.pytorch.callbacks import EarlyStopping  # noqa: E402
 
 from lightning_modules import QUIET, Classifier, assert_same_weights, train_loader, val_loader  # noqa: E402
 from side_by_side import run_both, trainers  # noqa: E402

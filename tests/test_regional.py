@@ -241,7 +241,7 @@ def test_compiled_engine_regions_of_a_causal_lm_with_a_final_norm_train_as_eager
     # Four causal blocks, then a LayerNorm, then the head: inside one torch.compile, blocks as
     # nested compile regions gave wrong first gradients with Inductor (torch 2.13, the CPU), up to
     # 6x in block 0, and weights off by 5e-3 relative after a few updates
-    from model_blocks import CausalBlock, causal_lm_weights
+    from model_blocks import causal_lm_weights
 
     eager, _ = causal_lm_weights("eager")
     regional, trainer = causal_lm_weights("compiled", compile_regions=True)
