@@ -132,7 +132,7 @@ def test_batches_changing_shape_past_the_limit_warn_saying_what_to_change(fresh_
     assert trainer.active_eval_engine == "compiled"
 
 
-def test_a_hook_changing_a_python_number_every_update_warns_saying_what_to_change(fresh_dynamo):
+def test_a_hook_changing_a_python_number_every_update_uncompiles_the_update_at_its_third_value(fresh_dynamo):
     class CountingTrainer(Trainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -149,6 +149,7 @@ def test_a_hook_changing_a_python_number_every_update_warns_saying_what_to_chang
     # whose guards hold the counter's value
     trainer = CountingTrainer(model, torch.nn.functional.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-3),
                               engine="compiled", compile_options=DYNAMO_ONLY, callbacks=[])
+    hits_before = recompile_limit.hit_count()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train(vector_data(n=24), 1, per_device_batch_size=2,
@@ -157,5 +158,9 @@ def test_a_hook_changing_a_python_number_every_update_warns_saying_what_to_chang
     assert len(messages) == 1, messages
     # dynamo's reason names the value, and the message says where such a counter belongs
     assert "self.updates_seen" in messages[0] and "scheduler_step" in messages[0], messages[0]
-    assert trainer.active_engine == "eager"
+    # at the counter's third value (not at dynamo's recompile limit, eight) the update runs
+    # uncompiled; the forward stays compiled
+    assert "runs uncompiled" in messages[0] and trainer._engine._eager_update
+    assert trainer.active_engine == "compiled"
+    assert recompile_limit.new_hits(hits_before) == []
     assert trainer.updates_seen == 12  # every update counted, compiled or not

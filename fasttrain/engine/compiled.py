@@ -15,6 +15,11 @@ break, ``.item()``, branching on a device value) raises while it is traced, befo
 and is then compiled with graph breaks allowed, with one warning naming the breaks and the graph
 count (:mod:`fasttrain.engine.graph_report`); only where that compile fails too does the engine
 fall back to the eager engine. ``compile_options={"fullgraph": True}`` goes to eager directly.
+The update's hooks keep the numbers they read as constants (a forward's that keep changing become
+symbolic, :mod:`fasttrain.engine.symbolic_ints`): where one keeps changing (a counter in
+``optimizer_step``, a branch on Lightning's ``global_step`` in ``on_before_optimizer_step``), the
+update compiled again for each value, so after its third the update runs uncompiled for the rest
+of the run, with one warning, and the forward and backward stay compiled.
 Until the first update has succeeded, each micro-step is guarded by a snapshot of everything it
 can mutate, so a failure in the middle of a step is undone before the fallback redoes it.
 
@@ -51,6 +56,7 @@ from fasttrain.engine.hyperparams import TensorHyperparams, inner_optimizer, set
 from fasttrain.engine import recompile_limit
 from fasttrain.engine.graph_report import HookGraphs
 from fasttrain.engine.snapshot import StepSnapshot
+from fasttrain.engine.symbolic_ints import ChangingValues
 from fasttrain.regional import compiled_region_names
 
 
@@ -94,8 +100,10 @@ class CompiledEngine(StepEngine):
         self._eval_fallback: Optional[StepEngine] = None
         self._trusted = False
         self._clipper_noted = None
-        #: the update runs uncompiled (see compiles_fused_update)
+        #: the update runs uncompiled (see compiles_fused_update, and _uncompile_update)
         self._eager_update = False
+        #: the numbers the compiled update's hooks read that keep changing (symbolic_ints.py)
+        self._update_changes: Optional[ChangingValues] = None
         self.training = True
         self._warned_settings = False
         self._hits_seen = 0
@@ -391,6 +399,15 @@ class CompiledEngine(StepEngine):
         self._hook = "optimizer_step"
         if self._eager_update:
             norm = _update(self.ctx)  # the same hooks, uncompiled
+        elif self.symbolic_ints:
+            changes = self._update_changes
+            if changes is None:
+                changes = self._update_changes = ChangingValues(self._functions.codes[UPDATE])
+            else:
+                changes.before_call()
+            norm = self._call(UPDATE)
+            if changes.newly_changing() is not None:
+                self._uncompile_update(changes)
         else:
             norm = self._call(UPDATE)
         if norm is not None:
@@ -401,6 +418,25 @@ class CompiledEngine(StepEngine):
                 self._check_settings(hparams)
         self._hook = "optimizer_zero_grad"
         self.zero_grad()
+
+    def _uncompile_update(self, changes: ChangingValues) -> None:
+        # A number the update's hooks read took its third value, and each compiled the update
+        # again: the rest of the run calls the hooks uncompiled (as for a fused optimizer), with
+        # the groups' own values (the held tensors are given back, as by a fallback to eager).
+        self._eager_update = True
+        if self._hparams is not None:
+            self._hparams.release()
+            self._hparams = None
+        reason = recompile_limit.short_reason(changes.marked_by) if changes.marked_by else "a changing number"
+        warnings.warn(
+            f"fasttrain: the optimizer update's hooks read a Python number that changes between updates "
+            f"({reason}), and each new value compiled the update again; it runs uncompiled from now on "
+            "(the forward and backward stay compiled). Keep counters and other per-step state out of "
+            "the update's hooks (in a callback, or in scheduler_step, which runs eagerly) to have it "
+            "compiled.",
+            RuntimeWarning,
+            stacklevel=6,
+        )
 
     def zero_grad(self) -> None:
         self.trainer.optimizer_zero_grad()

@@ -55,7 +55,7 @@ class _LimitHits(logging.Filter):
             if len(args) >= 3:
                 what = f"dynamo hit {args[0]}={args[1]} for {args[2]}"
                 if len(args) >= 4 and args[3]:
-                    what += f", last recompiled because {_short_reason(str(args[3]))}"
+                    what += f", last recompiled because {short_reason(str(args[3]))}"
             else:
                 what = record.getMessage().splitlines()[0]
             with self._lock:
@@ -66,7 +66,9 @@ class _LimitHits(logging.Filter):
 HITS = _LimitHits()
 
 
-def _short_reason(reason: str) -> str:
+def short_reason(reason: str) -> str:
+    """Dynamo's reason to recompile (a guard that failed), as one line: the guard, and the user's
+    line that read the value where dynamo names it."""
     # "0/7: tensor 'batch['input_ids']' size mismatch at index 1. expected 10, actual 11", or
     # "2/7: self.count == 7  # self.count += 1  # file.py:12 in hook": the guard, without the
     # frame/entry numbers and the source comment dynamo appends

@@ -139,6 +139,8 @@ class ChangingValues:
         #: specialized it (as it does for a float given to ``torch.tensor`` or ``math.exp``), so the
         #: copy compiles once per value as the original did
         self.specialized_again = False
+        #: dynamo's record of the guard failure that marked the last value found changing
+        self.marked_by: Optional[str] = None
 
     @property
     def dynamic(self) -> bool:
@@ -195,6 +197,7 @@ class ChangingValues:
                     self.specialized_again = True
                     continue
                 grown = True
+                self.marked_by = str(failure)
                 if not own:
                     self.nested.add(key)
                     if not is_float:

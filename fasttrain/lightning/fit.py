@@ -216,18 +216,23 @@ def _choose_engine(lt, requested: str, device) -> str:
                 stacklevel=4,
             )
             return "eager"
-        blockers = [h for h in UPDATE_HOOKS if module_overrides(module, h)]
+        # the module's optimizer_step takes a closure that runs the step: eager (closure_step);
+        # the other update hooks are compiled with the update (and where they read a number that
+        # changes between updates, the update runs uncompiled, engine/compiled.py)
+        blockers = ["optimizer_step"] if module_overrides(module, "optimizer_step") else []
         blockers += [f"an optimizer whose step needs a closure ({type(o).__name__})"
                      for o in lt.optimizers if _needs_closure(o)]
-        if hooks.callback_methods("on_before_optimizer_step"):
-            blockers.append("a callback's on_before_optimizer_step")
         if lt._args.detect_anomaly:
             blockers.append("detect_anomaly=True (autograd's anomaly checks run eagerly)")
         if profiling(lt):
             blockers.append("a profiler (it times each hook)")
+        update_hooks = [h for h in UPDATE_HOOKS if h != "optimizer_step" and module_overrides(module, h)]
+        if hooks.callback_methods("on_before_optimizer_step"):
+            update_hooks.append("a callback's on_before_optimizer_step")
         target = "eager"
         if not blockers and name == "cudagraph":
-            blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
+            # a graph replays the update's kernels, not its hooks' Python
+            blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)] + update_hooks
             target = "compiled"
     if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
         return name

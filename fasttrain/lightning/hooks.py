@@ -147,6 +147,11 @@ class HookCaller:
         #: per hook name, ``(callback, method)`` for the callbacks whose hook does something
         self._callback_methods: Dict[str, list] = {}
         self._module_overrides: Dict[str, bool] = {}
+        # decided now for the hooks a compiled step or update calls: a cache filled while dynamo
+        # traces them would fail the compiled function's guards at its next call
+        for name in UPDATE_HOOKS + BACKWARD_HOOKS:
+            self.callback_methods(name)
+            self._decide_module_hook(name)
 
     def callback_methods(self, name: str) -> list:
         methods = self._callback_methods.get(name)
@@ -176,12 +181,17 @@ class HookCaller:
             self.callbacks_only(name, *args, **kwargs)
         overridden = self._module_overrides.get(name)
         if overridden is None:
-            overridden = self._module_overrides[name] = module_overrides(self.module, name) or (
-                name in _ACTIVE_DEFAULTS and callable(getattr(self.module, name, None))
-            )
+            overridden = self._decide_module_hook(name)
         if overridden:
             return self.module_hook(name, *args, **kwargs)
         return None
+
+    def _decide_module_hook(self, name: str) -> bool:
+        """Whether ``self(name)`` calls the module's hook (kept per name)."""
+        overridden = self._module_overrides[name] = module_overrides(self.module, name) or (
+            name in _ACTIVE_DEFAULTS and callable(getattr(self.module, name, None))
+        )
+        return overridden
 
     def sole_callback(self, name: str):
         """The one callback whose ``name`` hook runs, when no other does and the module's own
