@@ -182,6 +182,28 @@ def test_mlp_adamw_one_cycle_norm_clipping_and_second_train(engine_warnings):
     assert trainer._engine.active_engine == "compiled"
 
 
+def test_sgd_whose_momentum_a_scheduler_cycles_steps_as_eager_with_the_update_uncompiled(engine_warnings):
+    """OneCycleLR cycles SGD's momentum, a float the compiled update holds as a constant: the
+    update compiled once per value (to dynamo's recompile limit, then the whole step ran eagerly).
+    At the third value the update runs uncompiled; the forward stays compiled, the weights are
+    eager's, and the two warnings say which setting changes and what the engine did."""
+    case = Case(
+        model=MLP,
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+        data=vector_data,
+        epochs=2,
+        train_kwargs=dict(gradient_clip_norm=0.5, create_scheduler_fn=one_cycle()),
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled", AOT)
+    assert_runs_match(eager, compiled)
+    assert compiled.trainer.active_engine == "compiled" and compiled.trainer._engine._eager_update
+    messages = [str(w.message) for w in engine_warnings]
+    assert len(messages) == 2, messages
+    assert "['momentum']" in messages[0] and "cycle_momentum=False" in messages[0]
+    assert "a setting the scheduler changes" in messages[1] and "runs uncompiled" in messages[1]
+
+
 def test_a_fused_optimizer_steps_uncompiled_as_in_eager(engine_warnings):
     """Dynamo does not trace torch's fused optimizer kernels: compiling the update would only add
     graph breaks and guard checks around the same eager kernel. The compiled engine calls the

@@ -428,12 +428,16 @@ class CompiledEngine(StepEngine):
             self._hparams.release()
             self._hparams = None
         reason = recompile_limit.short_reason(changes.marked_by) if changes.marked_by else "a changing number"
+        if self._warned_settings:
+            # on_settings_changed said which setting the scheduler changes, and what to do
+            what, advice = "a setting the scheduler changes (above)", ""
+        else:
+            what = "a Python number that changes between updates"
+            advice = (" Keep counters and other per-step state out of the update's hooks (in a callback, or in "
+                      "scheduler_step, which runs eagerly) to have it compiled.")
         warnings.warn(
-            f"fasttrain: the optimizer update's hooks read a Python number that changes between updates "
-            f"({reason}), and each new value compiled the update again; it runs uncompiled from now on "
-            "(the forward and backward stay compiled). Keep counters and other per-step state out of "
-            "the update's hooks (in a callback, or in scheduler_step, which runs eagerly) to have it "
-            "compiled.",
+            f"fasttrain: the optimizer update's hooks read {what} ({reason}), and each new value compiled "
+            f"the update again; it runs uncompiled from now on (the forward and backward stay compiled).{advice}",
             RuntimeWarning,
             stacklevel=6,
         )
