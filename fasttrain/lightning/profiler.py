@@ -117,8 +117,8 @@ class ProfiledHookCaller(HookCaller):
     while profiling, calls every hook of every callback and of the module, overridden or not."""
 
     def __init__(self, trainer, module, callbacks):
+        self.profiler = trainer.profiler  # before HookCaller decides its hooks, timed here
         super().__init__(trainer, module, callbacks)
-        self.profiler = trainer.profiler
 
     def callback_methods(self, name: str) -> list:
         methods = self._callback_methods.get(name)
