@@ -156,6 +156,32 @@ def test_gradient_norms_logged_before_the_update_keep_it_compiled_with_lightning
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
 
 
+class ClipsItsOwnWay(Classifier):
+    """Clips by norm through Lightning's clip_gradients, at the value the Trainer was given, and
+    the first layer's gradients by value besides (the kind of override Lightning's docs show);
+    SGD, whose steps follow the gradients' scale (Adam's would hide a norm clip)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        torch.nn.utils.clip_grad_value_(self.net[0].parameters(), 0.01)
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_an_own_configure_gradient_clipping_clips_as_under_lightning(engine):
+    from test_engine_graph_logic import AOT
+
+    lt, lm, ft, fm = fit_both(
+        ClipsItsOwnWay, train_loader, trainer_kwargs=dict(max_epochs=2, gradient_clip_val=0.05),
+        fasttrain_kwargs=dict(engine=engine, compile_options=AOT),
+    )
+    assert ft.engine == engine and not getattr(ft._runner._engine, "_eager_update", False)
+    assert ft.global_step == lt.global_step == 12
+    assert_same_weights(lm, fm, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cudagraph_engine_on_cuda_matches_lightning():
