@@ -85,6 +85,25 @@ def test_another_fit_of_the_same_module_compiles_nothing_again():
     assert frames[0] > 0 and frames[1:] == [0, 0], frames
 
 
+def test_ten_fits_of_one_module_stay_compiled():
+    """A module keeps its compiled functions across fits, and configure_optimizers makes a new
+    optimizer for each: the frames of torch's optimizer step are compiled again for each one, and
+    the ninth fit met dynamo's recompile limit there and ran eagerly, with a warning."""
+    from test_engine_graph_logic import AOT
+
+    module = Classifier()
+    engines, ours = [], []
+    for _ in range(10):
+        trainer = Trainer(max_epochs=1, limit_train_batches=2, engine="compiled", compile_options=AOT, **QUIET)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, train_loader())
+        engines.append(trainer._runner._engine.active_engine)
+        ours += [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert ours == []
+    assert engines == ["compiled"] * 10
+
+
 class HostSideStep(Classifier):
     """Counts its optimizer steps in a Python int: a number the compiled update would be compiled
     for once per value."""

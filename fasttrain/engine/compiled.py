@@ -141,6 +141,7 @@ class CompiledEngine(StepEngine):
         self._hits_seen = recompile_limit.hit_count()
         if training and train_reason is None and trainer.optimizer is not None:
             recompile_limit.reserve_for(inner_optimizer(trainer.optimizer))
+            self._functions.update_for(inner_optimizer(trainer.optimizer))
             self._eager_update = not self.compiles_fused_update and steps_in_fused_kernels(trainer.optimizer)
             if not self._eager_update:  # an eager update reads the groups' own values
                 self._hparams = TensorHyperparams(trainer.optimizer, capturable=self.capturable_optimizer)

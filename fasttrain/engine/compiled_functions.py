@@ -173,6 +173,8 @@ class _CompiledFunctions:
         self._forwards = {hook: self._compile_forward(hook, whole) for hook in _FORWARD_BODIES}
         self._whole = dict.fromkeys(_FORWARD_BODIES, whole)
         self.update, self.codes[UPDATE] = self._new_update()
+        #: the optimizer the update is compiled for (update_for), weakly
+        self._update_optimizer: Optional[weakref.ref] = None
         #: per hook, the copy the compiled engine calls with the numbers that keep changing
         #: symbolic, and what it watches for them (symbolic_ints.py)
         self._symbolic: Dict[str, WithDynamicSources] = {}
@@ -183,6 +185,20 @@ class _CompiledFunctions:
     def _compile_forward(self, hook: str, whole: bool) -> CountingCall:
         forward, self.codes[hook] = self._new_forward(hook, whole)
         return forward
+
+    def update_for(self, optimizer) -> None:
+        """At an engine's set-up, the optimizer its update steps. With isolated recompiles
+        (recompile_limit.py) each optimizer gets an update of its own: the frames of torch's
+        optimizer step, compiled anew for every optimizer object, count against that update's
+        recompile limit only. (A LightningModule keeps its compiled functions across fits and
+        ``configure_optimizers`` makes a new optimizer for each: its ninth fit met the limit and
+        ran eagerly.)"""
+        if not recompile_limit.ISOLATES or optimizer is None:
+            return
+        known = self._update_optimizer
+        if known is not None and known() is not optimizer:
+            self.update, self.codes[UPDATE] = self._new_update()
+        self._update_optimizer = weakref.ref(optimizer)
 
     def _new_update(self) -> Tuple[Callable, types.CodeType]:
         body = with_own_dynamo_cache(_update)

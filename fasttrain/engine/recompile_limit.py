@@ -13,7 +13,9 @@ Two measures:
 
 * where ``torch.compile`` offers ``isolate_recompiles`` (torch 2.12 and later), the update is
   compiled with it: frames compiled under one trainer's update count only against that trainer's
-  limit, so any number of trainers each get the same compiled step;
+  limit, so any number of trainers each get the same compiled step; compiled functions kept
+  across runs (a LightningModule's, fitted again with a new optimizer each time) get an update
+  of their own for each optimizer (``_CompiledFunctions.update_for``);
 * elsewhere, ``recompile_limit`` is raised knowingly by one for every optimizer whose update
   fasttrain compiles: each adds exactly one entry per shared frame (its guards name that
   optimizer), so the limit still catches a real recompile loop within one trainer.
