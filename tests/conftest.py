@@ -53,6 +53,17 @@ def dynamos_own_limits():
         yield
 
 
+@pytest.fixture
+def dynamos_own_limits_from_empty_caches(dynamos_own_limits):
+    """:func:`dynamos_own_limits` with dynamo's caches emptied before and after the test: without
+    isolation, the compiled frames of torch's optimizer steps hold an entry for every optimizer
+    an earlier test compiled an update for, which would count against the limit the test
+    restores (and the test's own optimizers against a later test's)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def original():
     """pytorch-accelerated, as a :class:`differential_scripts.Lib` (the differential tests)."""

@@ -85,7 +85,7 @@ def test_another_fit_of_the_same_module_compiles_nothing_again():
     assert frames[0] > 0 and frames[1:] == [0, 0], frames
 
 
-def test_ten_fits_of_one_module_stay_compiled():
+def test_ten_fits_of_one_module_stay_compiled(dynamos_own_limits_from_empty_caches):
     """A module keeps its compiled functions across fits, and configure_optimizers makes a new
     optimizer for each: the frames of torch's optimizer step are compiled again for each one, and
     the ninth fit met dynamo's recompile limit there and ran eagerly, with a warning."""
@@ -262,7 +262,8 @@ class UpdatesAMetric(LogsAMetric):
         self.log("val_acc", self.val_acc)
 
 
-def test_a_metric_called_in_the_steps_runs_outside_the_graphs_and_the_steps_stay_compiled(dynamos_own_limits):
+def test_a_metric_called_in_the_steps_runs_outside_the_graphs_and_the_steps_stay_compiled(
+        dynamos_own_limits_from_empty_caches):
     # traced into the step, the metric's counters compiled it again at every batch until
     # dynamo's limit (8): twelve batches an epoch passed it, and the rest of the fit ran eagerly
     pytest.importorskip("torchmetrics")
