@@ -226,13 +226,13 @@ def _choose_engine(lt, requested: str, device) -> str:
             blockers.append("detect_anomaly=True (autograd's anomaly checks run eagerly)")
         if profiling(lt):
             blockers.append("a profiler (it times each hook)")
-        update_hooks = [h for h in UPDATE_HOOKS if h != "optimizer_step" and module_overrides(module, h)]
-        if hooks.callback_methods("on_before_optimizer_step"):
-            update_hooks.append("a callback's on_before_optimizer_step")
         target = "eager"
         if not blockers and name == "cudagraph":
             # a graph replays the update's kernels, not its hooks' Python
-            blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)] + update_hooks
+            blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
+            blockers += [h for h in UPDATE_HOOKS if h != "optimizer_step" and module_overrides(module, h)]
+            if hooks.callback_methods("on_before_optimizer_step"):
+                blockers.append("a callback's on_before_optimizer_step")
             target = "compiled"
     if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
         return name
