@@ -204,6 +204,50 @@ def test_sgd_whose_momentum_a_scheduler_cycles_steps_as_eager_with_the_update_un
     assert "a setting the scheduler changes" in messages[1] and "runs uncompiled" in messages[1]
 
 
+class CountingUpdatesTrainer(Trainer):
+    """Counts updates in its own ``optimizer_step``: a Python number the compiled update would hold
+    as a constant, new at every update."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.updates_seen = 0
+
+    def optimizer_step(self):
+        # clipping by norm by hand, as scripts for the original do
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.updates_seen += 1
+        super().optimizer_step()
+
+
+def test_an_uncompiled_update_on_a_tied_transformer_with_a_final_norm_gives_eagers_weights(engine_warnings):
+    """The update left uncompiled at a counter's third value, on a model shaped like users' (final
+    LayerNorm, head tied to the embedding) with accumulation, norm clipping and a one-cycle
+    schedule: every loss, grad norm and weight is eager's (the switch happens mid-epoch, with the
+    tied weight's gradient summed from two uses), and the forward and backward stay compiled."""
+    case = Case(
+        model=TinyGPT,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=0.1),
+        data=token_data,
+        loss=token_loss,
+        epochs=2,
+        train_kwargs=dict(gradient_accumulation_steps=2, create_scheduler_fn=one_cycle(3e-3)),
+        trainer_cls=CountingUpdatesTrainer,
+    )
+    eager = run(case, "eager")
+    compiled = run(case, "compiled", AOT)
+    assert_runs_match(eager, compiled)
+    trainer = compiled.trainer
+    assert trainer.active_engine == "compiled" and trainer._engine._eager_update
+    assert trainer.updates_seen == eager.trainer.updates_seen == 6  # 5 batches (the last partial), 3 updates an epoch
+    assert trainer._engine._hparams is None  # the groups have their floats back
+    assert type(trainer.optimizer.param_groups[0]["lr"]) is float
+    messages = [str(w.message) for w in engine_warnings]
+    assert len(messages) == 1 and "self.updates_seen" in messages[0] and "runs uncompiled" in messages[0], messages
+    # the tied weight is one parameter, in the optimizer once, and still the head's
+    model = trainer.get_model()
+    assert sum(p is model.tok.weight for p in trainer.optimizer.param_groups[0]["params"]) == 1
+
+
 def test_a_fused_optimizer_steps_uncompiled_as_in_eager(engine_warnings):
     """Dynamo does not trace torch's fused optimizer kernels: compiling the update would only add
     graph breaks and guard checks around the same eager kernel. The compiled engine calls the

@@ -149,6 +149,61 @@ class TinyGPT(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step", "frequency": 2}}
 
 
+class TiedCausalLM(L.LightningModule):
+    """Shaped like users' language models: dict batches (``input_ids``, ``labels``), a pre-norm
+    block, a final LayerNorm and a head tied to the embedding; AdamW with weight decay and a
+    per-step warmup."""
+
+    def __init__(self, vocab=17, dim=16, context=8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.randn(context, dim) * 0.02)
+        self.ln1 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids) + self.pos[: input_ids.size(1)]
+        h = h + self.mlp(self.ln1(h))
+        return self.head(self.ln_f(h))
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
+        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+class TiedCausalLMLoggingNorms(TiedCausalLM):
+    """Logs the gradient norms before each update, as Lightning's docs show."""
+
+    def on_before_optimizer_step(self, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+class TokenDicts(torch.utils.data.Dataset):
+    """Token windows as dicts of ``input_ids`` and next-token ``labels``."""
+
+    def __init__(self, n=40, context=8, vocab=17, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab, (n, context + 1), generator=g)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
 def token_data(n=32, context=9, vocab=17, seed=0):
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randint(0, vocab, (n, context), generator=g))
