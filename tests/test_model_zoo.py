@@ -29,6 +29,12 @@ TRAIN_HOOK, EVAL_HOOK = "calculate_train_batch_loss", "calculate_eval_batch_loss
 #: the graph breaks each model's forward hooks may have (dynamo's count): none, since logger
 #: calls are left out of the trace
 MAX_BREAKS = {"gpt2": 0, "llama": 0, "bert": 0, "vit": 0, "t5": 0}
+#: transformers' T5 builds a DynamicCache in each forward (its decoder's use_cache is on by
+#: default), whose config's deep copy the dynamo of torch 2.11 cannot trace (2.12 can): 9 breaks,
+#: warned about, and the pieces still compiled and captured
+OLD_DYNAMO = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+if OLD_DYNAMO:
+    MAX_BREAKS["t5"] = 9
 
 pytestmark = pytest.mark.slow
 
@@ -115,11 +121,11 @@ def _graphs_per_epoch():
     return GraphsPerEpoch()
 
 
-def train_accelerated(entry, engine):
+def train_accelerated(entry, engine, compile_options=None):
     model = entry.make()
     graphs = _graphs_per_epoch()
     trainer = hf_trainer_class()(model, None, optimizer_for(model), callbacks=[graphs],
-                                 engine=engine)
+                                 engine=engine, compile_options=compile_options)
     trainer.train(entry.data(16), num_epochs=EPOCHS, eval_dataset=entry.data(8, seed=5), per_device_batch_size=BATCH,
                   gradient_accumulation_steps=ACCUMULATION, gradient_clip_norm=CLIP,
                   train_dataloader_kwargs={"num_workers": 0, "shuffle": False},
@@ -154,8 +160,55 @@ def test_accelerated_api(name):
     _assert_compiled_run(name, trainer.active_engine, trainer.compiled_graphs, graphs_per_epoch, compiled, eager)
 
 
+# ----------------------------------------------------------------------------- the graphed engine
+def _graphed_on_the_cpu(monkeypatch, engine_class):
+    """``engine="cudagraph"`` builds ``engine_class``: the graphed engine's own logic (warm-up,
+    capture decisions, the host-read and Python-state refusals, replay guards) with host
+    stand-ins for streams and graphs (test_engine_graph_logic.py); returns a function counting the
+    replays since."""
+    from fasttrain.engine import ENGINES
+    from test_engine_graph_logic import HostGraphEngine
+
+    monkeypatch.setitem(ENGINES, "cudagraph", engine_class)
+    before = sum(graph.replays for graph in HostGraphEngine.graphs)
+    return lambda: sum(graph.replays for graph in HostGraphEngine.graphs) - before
+
+
+def _assert_graphed_run(name, engines, graphs_per_epoch, replays, caught, graphed, eager):
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    if MAX_BREAKS[name]:  # the breaks are warned about (one warning per hook), nothing else
+        assert len(ours) == 2 and all("cannot be traced as one graph" in m for m in ours), ours
+    else:
+        assert ours == [], ours  # no fallback, nothing refused
+    assert engines == ("cudagraph", "cudagraph")  # training and evaluation
+    # 8 training and 4 evaluation steps; the first epoch warms up and captures, the second replays
+    assert replays >= 4, replays
+    assert len(graphs_per_epoch) == EPOCHS and graphs_per_epoch[-1] == graphs_per_epoch[0], graphs_per_epoch
+    # aot_eager runs the traced graph's own ops: a few ulp from eager, where a step replayed stale
+    # or an update applied twice differs in the second digit
+    assert _relative_difference(graphed, eager) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_accelerated_api_on_the_graphed_engines_logic(monkeypatch, name):
+    """Each family would be captured whole (no host read in its forward, no Python state changed)
+    and its replays give eager's weights."""
+    import warnings
+
+    from test_engine_graph_logic import AOT, HostGraphEngine
+
+    entry = _entry(name)
+    eager, _, _ = train_accelerated(entry, "eager")
+    replays = _graphed_on_the_cpu(monkeypatch, HostGraphEngine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed, trainer, graphs_per_epoch = train_accelerated(entry, "cudagraph", AOT)
+    _assert_graphed_run(name, (trainer.active_engine, trainer.active_eval_engine), graphs_per_epoch, replays(), caught,
+                        graphed, eager)
+
+
 # ----------------------------------------------------------------------------- fasttrain.lightning
-def train_lightning(entry, engine):
+def train_lightning(entry, engine, compile_options=None):
     pytest.importorskip("lightning", reason="lightning is not installed (pip install fasttrain[dev])")
     import lightning as L
 
@@ -186,7 +239,8 @@ def train_lightning(entry, engine):
     module = ZooModule(entry.make())
     graphs = GraphsPerEpoch()
     trainer = Trainer(max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP,
-                      engine=engine, callbacks=[graphs], num_sanity_val_steps=0, enable_progress_bar=False,
+                      engine=engine, compile_options=compile_options, callbacks=[graphs], num_sanity_val_steps=0,
+                      enable_progress_bar=False,
                       enable_model_summary=False, logger=False, enable_checkpointing=False)
     loader = torch.utils.data.DataLoader(entry.data(16), batch_size=BATCH, shuffle=False)
     val_loader = torch.utils.data.DataLoader(entry.data(8, seed=5), batch_size=BATCH)
@@ -202,6 +256,30 @@ def test_lightning(name):
     assert _relative_difference(eager, hand_weights(entry)) < 1e-6
     compiled, trainer, graphs_per_epoch = train_lightning(entry, "compiled")
     _assert_compiled_run(name, trainer.engine, trainer.compiled_graphs, graphs_per_epoch, compiled, eager)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_lightning_on_the_graphed_engines_logic(monkeypatch, name):
+    """The same under fasttrain.lightning, replays dropping the step's Python as a real one does:
+    the validation loss logged in the replayed steps is eager's too."""
+    import warnings
+
+    from test_engine_graph_logic import AOT
+
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install fasttrain[dev])")
+    from test_lightning_graphed import ReplaysRunNoPython
+
+    entry = _entry(name)
+    eager, eager_trainer, _ = train_lightning(entry, "eager")
+    replays = _graphed_on_the_cpu(monkeypatch, ReplaysRunNoPython)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed, trainer, graphs_per_epoch = train_lightning(entry, "cudagraph", AOT)
+    engine = trainer._runner._engine
+    _assert_graphed_run(name, (trainer.engine, engine.active_eval_engine), graphs_per_epoch, replays(), caught, graphed,
+                        eager)
+    torch.testing.assert_close(trainer.callback_metrics["val_loss"], eager_trainer.callback_metrics["val_loss"],
+                               rtol=1e-5, atol=0)
 
 
 # ----------------------------------------------------------------------------- torchvision, timm
