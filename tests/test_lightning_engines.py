@@ -150,9 +150,9 @@ class LogsGradientNorms(Classifier):
 
 @pytest.mark.parametrize("engine", ["compiled", "cudagraph"])
 def test_gradient_norms_logged_before_the_update_keep_it_compiled_with_lightnings_values(monkeypatch, engine):
-    """The documented way to log gradient norms does not cost the compiled update: the hook is
-    traced with it (the graphed engine, whose replays would not run it, leaves such a module to the
-    compiled engine, with one warning); later epochs compile nothing."""
+    """The documented way to log gradient norms does not cost the compiled update, nor the graphs:
+    the hook is traced with the update, and a replay files its logged values again as it does the
+    training step's; later epochs compile nothing."""
     from fasttrain.engine import ENGINES
     from test_engine_graph_logic import AOT
     from test_lightning_graphed import ReplaysRunNoPython
@@ -163,10 +163,14 @@ def test_gradient_norms_logged_before_the_update_keep_it_compiled_with_lightning
         warnings.simplefilter("always")
         lt, lm, ft, fm = fit_both(
             LogsGradientNorms, train_loader, val_loader, trainer_kwargs=dict(max_epochs=3),
-            fasttrain_kwargs=dict(engine=engine, compile_options=AOT, callbacks=[graphs]),
+            fasttrain_kwargs=dict(engine=engine, compile_options=AOT, callbacks=[graphs]), quiet=False,
         )
-    assert ft.engine == "compiled"
+    assert [str(w.message) for w in caught if "fasttrain" in str(w.message)] == []
+    assert ft.engine == engine
     assert not ft._runner._engine._eager_update
+    if engine == "cudagraph":  # the update's graph replays, with the norms it logs
+        assert set(ft._runner._engine._train_graphs) == {True}
+        assert sum(graph.replays for graph in ReplaysRunNoPython.graphs) > 0
     assert graphs.per_epoch[1] == graphs.per_epoch[2], graphs.per_epoch
     assert ft.global_step == lt.global_step == 18
     assert "grad_2.0_norm/0.weight" in lt.logged_metrics
@@ -188,10 +192,13 @@ class ClipsItsOwnWay(Classifier):
         self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm="norm")
 
 
-@pytest.mark.parametrize("engine", ["eager", "compiled"])
-def test_an_own_configure_gradient_clipping_clips_as_under_lightning(engine):
+@pytest.mark.parametrize("engine", ["eager", "compiled", "cudagraph"])
+def test_an_own_configure_gradient_clipping_clips_as_under_lightning(monkeypatch, engine):
+    from fasttrain.engine import ENGINES
     from test_engine_graph_logic import AOT
+    from test_lightning_graphed import ReplaysRunNoPython
 
+    monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
     lt, lm, ft, fm = fit_both(
         ClipsItsOwnWay, train_loader, trainer_kwargs=dict(max_epochs=2, gradient_clip_val=0.05),
         fasttrain_kwargs=dict(engine=engine, compile_options=AOT),
@@ -315,7 +322,7 @@ def test_a_layer_unfrozen_at_an_epoch_start_trains_on_the_compiled_engine_as_und
 @pytest.mark.parametrize(
     "engine, log_grad_norms, runs",
     [("compiled", False, "compiled"), ("compiled", True, "compiled"),
-     ("cudagraph", False, "cudagraph"), ("cudagraph", True, "compiled")],
+     ("cudagraph", False, "cudagraph"), ("cudagraph", True, "cudagraph")],
 )
 def test_a_tied_causal_lm_on_dict_batches_trains_as_under_lightning(monkeypatch, engine, log_grad_norms, runs):
     """The compiled and graphed paths on a module shaped like users' (dict batches, final norm,
@@ -343,3 +350,33 @@ def test_a_tied_causal_lm_on_dict_batches_trains_as_under_lightning(monkeypatch,
     assert_same_weights(lm, fm, atol=1e-5)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+
+
+class LogsMoreFromTheSecondEpoch(LogsGradientNorms):
+    """Logs gradient norms before each update, and from the second epoch on one more value in its
+    training step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.current_epoch > 0:
+            self.log("late", loss * 2)
+        return loss
+
+
+def test_the_update_compiles_once_whatever_the_training_step_logs():
+    """The update's hooks log to a list of their own: how many values the training step logged
+    before them is nothing the compiled update depends on (it compiled again when that changed)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from fasttrain.engine.compiled_functions import UPDATE
+    from test_engine_graph_logic import AOT
+
+    lt, lm, ft, fm = fit_both(
+        LogsMoreFromTheSecondEpoch, train_loader, trainer_kwargs=dict(max_epochs=3),
+        fasttrain_kwargs=dict(engine="compiled", compile_options=AOT),
+    )
+    engine = ft._runner._engine
+    assert ft.engine == "compiled" and not engine._eager_update
+    assert len(_debug_get_cache_entry_list(engine._functions.codes[UPDATE])) == 1
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)

@@ -204,6 +204,23 @@ def test_a_step_that_appends_to_a_module_attribute_is_not_replayed(graphed_engin
     assert_same_weights(lm, fm, atol=1e-5)
 
 
+def test_a_counter_in_the_update_hook_refuses_the_capture_naming_it(graphed_engine):
+    """The module's own update hooks are captured with the update (and watched as the training step
+    is): a counter there, which a replay would not advance, refuses the capture; the warning names
+    the attribute and the step, not a hook the engine happened to be in."""
+    from test_lightning_engines import HostSideStep
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lt, lm, ft, fm = fit_both(HostSideStep, train_loader, trainer_kwargs=dict(max_epochs=2),
+                                  fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT), quiet=False)
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert ft.engine == "compiled"
+    assert "'host_steps'" in ours[0] and "the 'cudagraph' engine cannot run here" in ours[0], ours
+    assert fm.host_steps == lm.host_steps == 12
+    assert_same_weights(lm, fm, atol=1e-5)
+
+
 class ReadsTheStep(Classifier):
     """Logs Lightning's step counter and branches on the batch index: Python values that change
     every batch, which a replayed graph would repeat as captured."""

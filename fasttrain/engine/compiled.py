@@ -398,19 +398,8 @@ class CompiledEngine(StepEngine):
             clipper.note_gradient_layout()
             self._clipper_noted = clipper
         self._hook = "optimizer_step"
-        if self._eager_update:
-            norm = _update(self.ctx)  # the same hooks, uncompiled
-        elif self.symbolic_ints:
-            changes = self._update_changes
-            if changes is None:
-                changes = self._update_changes = ChangingValues(self._functions.codes[UPDATE])
-            else:
-                changes.before_call()
-            norm = self._call(UPDATE)
-            if changes.newly_changing() is not None:
-                self._uncompile_update(changes)
-        else:
-            norm = self._call(UPDATE)
+        with self.ctx.host_effects.update_scope():
+            norm = self._call_update()
         if norm is not None:
             self.last_grad_norm = norm
         if trainer.scheduler is not None and not self.ctx.step_was_skipped():
@@ -419,6 +408,21 @@ class CompiledEngine(StepEngine):
                 self._check_settings(hparams)
         self._hook = "optimizer_zero_grad"
         self.zero_grad()
+
+    def _call_update(self):
+        if self._eager_update:
+            return _update(self.ctx)  # the same hooks, uncompiled
+        if not self.symbolic_ints:
+            return self._call(UPDATE)
+        changes = self._update_changes
+        if changes is None:
+            changes = self._update_changes = ChangingValues(self._functions.codes[UPDATE])
+        else:
+            changes.before_call()
+        norm = self._call(UPDATE)
+        if changes.newly_changing() is not None:
+            self._uncompile_update(changes)
+        return norm
 
     def _uncompile_update(self, changes: ChangingValues) -> None:
         # A number the update's hooks read took its third value, and each compiled the update

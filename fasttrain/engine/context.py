@@ -50,6 +50,12 @@ class HostEffects:
     def discard(self, mark: object) -> None:
         """After a capture that failed: drop what it left (it refers to nothing that ran)."""
 
+    def update_scope(self) -> ContextManager:
+        """Around the update's hooks (compiled, captured or not): the effects they make are kept
+        apart from those of the step's forward while they run, so that the compiled update never
+        sees how many the forward made (dynamo would guard on that), and joined to them after."""
+        return contextlib.nullcontext()
+
 
 NO_HOST_EFFECTS = HostEffects()
 

@@ -437,7 +437,8 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         norm = None
         if update:
             self._hook = "optimizer_step"
-            norm = functions.update(self.ctx)
+            with self.ctx.host_effects.update_scope():
+                norm = functions.update(self.ctx)
             self._hook = "optimizer_zero_grad"
             zero_grad()
         self._hook = "loss accumulation"

@@ -30,7 +30,6 @@ from fasttrain.lightning.ckpt_path import select as select_ckpt_path
 from fasttrain.lightning.combined import evaluation_loaders, plain_loader, prediction_loaders
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
-    UPDATE_HOOKS,
     HookCaller,
     merge_module_callbacks,
     module_overrides,
@@ -217,8 +216,11 @@ def _choose_engine(lt, requested: str, device) -> str:
             )
             return "eager"
         # the module's optimizer_step takes a closure that runs the step: eager (closure_step);
-        # the other update hooks are compiled with the update (and where they read a number that
-        # changes between updates, the update runs uncompiled, engine/compiled.py)
+        # the module's other update hooks are compiled with the update (where they read a number
+        # that changes between updates, the update runs uncompiled, engine/compiled.py), and
+        # captured with it: their self.log calls are filed again after each replay, and a change
+        # to the module's attributes refuses the capture, as for the training step
+        # (graph_logging.py)
         blockers = ["optimizer_step"] if module_overrides(module, "optimizer_step") else []
         blockers += [f"an optimizer whose step needs a closure ({type(o).__name__})"
                      for o in lt.optimizers if _needs_closure(o)]
@@ -228,9 +230,9 @@ def _choose_engine(lt, requested: str, device) -> str:
             blockers.append("a profiler (it times each hook)")
         target = "eager"
         if not blockers and name == "cudagraph":
-            # a graph replays the update's kernels, not its hooks' Python
+            # a graph replays the kernels of these hooks, not their Python, whose effects (on a
+            # callback's own state, say) nothing watches
             blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
-            blockers += [h for h in UPDATE_HOOKS if h != "optimizer_step" and module_overrides(module, h)]
             if hooks.callback_methods("on_before_optimizer_step"):
                 blockers.append("a callback's on_before_optimizer_step")
             target = "compiled"

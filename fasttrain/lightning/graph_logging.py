@@ -20,11 +20,13 @@ holds each step's once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
 
 import torch
 
+from fasttrain.engine.capture_policy import HostStateChanged
 from fasttrain.engine.context import HostEffects
 
 #: where the logged value sits in a call that ResultStore.log recorded
@@ -79,6 +81,7 @@ class LoggedCalls(HostEffects):
 
     def __init__(self, lightning_trainer):
         self.lt = lightning_trainer
+        self._update_calls: list = []
 
     def mark(self):
         store = self.lt._results
@@ -95,7 +98,7 @@ class LoggedCalls(HostEffects):
         del store.pending[start:]
         changed = _changed(state, _python_state(module))
         if changed is not None:
-            raise ValueError(
+            raise HostStateChanged(
                 f"the step changed the module's attribute {changed!r} in Python (an append, a counter), "
                 "which a CUDA graph's replay would not do again"
             )
@@ -105,7 +108,7 @@ class LoggedCalls(HostEffects):
             # a Python number is a constant of the captured step, as the tensor made of it was
             # (logged_numbers.py); the replay guards check it before each replay
             if not isinstance(call[_VALUE], (torch.Tensor, numbers.Number)):
-                raise ValueError(
+                raise HostStateChanged(
                     f"self.log({call[1]!r}, <{type(call[_VALUE]).__name__}>) inside {call[0]}: a logged "
                     "torchmetrics Metric keeps counters in Python that a CUDA graph's replay does not advance"
                 )
@@ -116,6 +119,23 @@ class LoggedCalls(HostEffects):
             store, start, module, _, saved = mark
             del store.pending[start:]
             _restore_attributes(module, saved)
+
+    @contextlib.contextmanager
+    def update_scope(self):
+        # the update's calls go to a list of their own, empty at every update: the compiled
+        # update, whose guards are also checked before each replay, sees the same list then
+        store = self.lt._results
+        if store is None:
+            yield
+            return
+        forward_calls, update_calls = store.pending, self._update_calls
+        store.pending = update_calls
+        try:
+            yield
+        finally:
+            store.pending = forward_calls
+            forward_calls.extend(update_calls)
+            update_calls.clear()
 
     def redo(self, effects) -> None:
         if effects is None:

@@ -270,10 +270,11 @@ class TwoOptimizerManual(L.LightningModule):
         ]
 
 
-def fit_both(module_factory, loader_factory, val_factory=None, seed=0, trainer_kwargs=None, fasttrain_kwargs=None):
+def fit_both(module_factory, loader_factory, val_factory=None, seed=0, trainer_kwargs=None, fasttrain_kwargs=None,
+             quiet=True):
     """Fit ``module_factory()`` under lightning.Trainer and fasttrain.lightning.Trainer from the
     same seed and data; returns ``(lightning_trainer, lightning_module, fasttrain_trainer,
-    fasttrain_module)``."""
+    fasttrain_module)``. ``quiet=False`` leaves fasttrain's fit's warnings to the caller."""
     from fasttrain.lightning import Trainer as FastTrainer
 
     kwargs = dict(QUIET)
@@ -285,7 +286,8 @@ def fit_both(module_factory, loader_factory, val_factory=None, seed=0, trainer_k
     for trainer_cls, mod, extra in ((L.Trainer, reference_module, {}), (FastTrainer, module, fasttrain_kwargs or {})):
         torch.manual_seed(seed + 1)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            if quiet or trainer_cls is L.Trainer:
+                warnings.simplefilter("ignore")
             trainer = trainer_cls(**kwargs, **extra)
             trainer.fit(mod, loader_factory(), val_factory() if val_factory else None)
         out += [trainer, mod]
