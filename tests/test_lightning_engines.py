@@ -221,6 +221,28 @@ def test_cudagraph_engine_on_cuda_matches_lightning():
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_lightning(exact_cuda):
+    """The CPU test above with real graphs: dict batches, a final norm, tied weights, norm
+    clipping, and the gradient norms logged in on_before_optimizer_step, filed after each replay
+    (aot_eager: what is checked is the capture and the replays, not Inductor's kernels, and it
+    keeps the device run's test step short)."""
+    from lightning_modules import TiedCausalLMLoggingNorms, TokenDicts
+    from test_engine_graph_logic import AOT
+
+    lt, lm, ft, fm = fit_both(
+        TiedCausalLMLoggingNorms, lambda: loader(TokenDicts(), batch_size=8, shuffle=True),
+        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5, accelerator="gpu", devices=1),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    assert ft.engine == "cudagraph" and set(ft._runner._engine._train_graphs) == {True}
+    assert ft.global_step == lt.global_step == 15
+    assert "grad_2.0_norm/emb.weight" in ft.logged_metrics
+    assert_same_weights(lm.cpu(), fm.cpu(), atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-4)
+
+
 class HalvesEveryStep(Classifier):
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
