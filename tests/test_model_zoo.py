@@ -161,21 +161,28 @@ def test_accelerated_api(name):
 
 
 # ----------------------------------------------------------------------------- the graphed engine
-def _graphed_on_the_cpu(monkeypatch, engine_class):
-    """``engine="cudagraph"`` builds ``engine_class``: the graphed engine's own logic (warm-up,
-    capture decisions, the host-read and Python-state refusals, replay guards) with host
-    stand-ins for streams and graphs (test_engine_graph_logic.py); returns a function counting the
-    replays since."""
-    from fasttrain.engine import ENGINES
-    from test_engine_graph_logic import HostGraphEngine
+def _eager_and_graphed(monkeypatch, train, entry, engine_class):
+    """``train(entry, engine[, compile_options])`` eagerly, then with ``engine="cudagraph"``
+    building ``engine_class``: the graphed engine's own logic (warm-up, capture decisions, the
+    host-read and Python-state refusals, replay guards) with host stand-ins for streams and graphs
+    (test_engine_graph_logic.py). Returns both runs' results, fasttrain's warnings of the graphed
+    run, and how many steps it replayed."""
+    import warnings
 
+    from fasttrain.engine import ENGINES
+    from test_engine_graph_logic import AOT, HostGraphEngine
+
+    eager = train(entry, "eager")
     monkeypatch.setitem(ENGINES, "cudagraph", engine_class)
     before = sum(graph.replays for graph in HostGraphEngine.graphs)
-    return lambda: sum(graph.replays for graph in HostGraphEngine.graphs) - before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = train(entry, "cudagraph", AOT)
+    replays = sum(graph.replays for graph in HostGraphEngine.graphs) - before
+    return eager, graphed, [str(w.message) for w in caught if "fasttrain" in str(w.message)], replays
 
 
-def _assert_graphed_run(name, engines, graphs_per_epoch, replays, caught, graphed, eager):
-    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+def _assert_graphed_run(name, engines, graphs_per_epoch, replays, ours, graphed, eager):
     if MAX_BREAKS[name]:  # the breaks are warned about (one warning per hook), nothing else
         assert len(ours) == 2 and all("cannot be traced as one graph" in m for m in ours), ours
     else:
@@ -193,18 +200,12 @@ def _assert_graphed_run(name, engines, graphs_per_epoch, replays, caught, graphe
 def test_accelerated_api_on_the_graphed_engines_logic(monkeypatch, name):
     """Each family would be captured whole (no host read in its forward, no Python state changed)
     and its replays give eager's weights."""
-    import warnings
+    from test_engine_graph_logic import HostGraphEngine
 
-    from test_engine_graph_logic import AOT, HostGraphEngine
-
-    entry = _entry(name)
-    eager, _, _ = train_accelerated(entry, "eager")
-    replays = _graphed_on_the_cpu(monkeypatch, HostGraphEngine)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        graphed, trainer, graphs_per_epoch = train_accelerated(entry, "cudagraph", AOT)
-    _assert_graphed_run(name, (trainer.active_engine, trainer.active_eval_engine), graphs_per_epoch, replays(), caught,
-                        graphed, eager)
+    eager, graphed, ours, replays = _eager_and_graphed(monkeypatch, train_accelerated, _entry(name), HostGraphEngine)
+    (eager_weights, _, _), (weights, trainer, graphs_per_epoch) = eager, graphed
+    _assert_graphed_run(name, (trainer.active_engine, trainer.active_eval_engine), graphs_per_epoch, replays, ours,
+                        weights, eager_weights)
 
 
 # ----------------------------------------------------------------------------- fasttrain.lightning
@@ -262,22 +263,13 @@ def test_lightning(name):
 def test_lightning_on_the_graphed_engines_logic(monkeypatch, name):
     """The same under fasttrain.lightning, replays dropping the step's Python as a real one does:
     the validation loss logged in the replayed steps is eager's too."""
-    import warnings
-
-    from test_engine_graph_logic import AOT
-
     pytest.importorskip("lightning", reason="lightning is not installed (pip install fasttrain[dev])")
     from test_lightning_graphed import ReplaysRunNoPython
 
-    entry = _entry(name)
-    eager, eager_trainer, _ = train_lightning(entry, "eager")
-    replays = _graphed_on_the_cpu(monkeypatch, ReplaysRunNoPython)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        graphed, trainer, graphs_per_epoch = train_lightning(entry, "cudagraph", AOT)
-    engine = trainer._runner._engine
-    _assert_graphed_run(name, (trainer.engine, engine.active_eval_engine), graphs_per_epoch, replays(), caught, graphed,
-                        eager)
+    eager, graphed, ours, replays = _eager_and_graphed(monkeypatch, train_lightning, _entry(name), ReplaysRunNoPython)
+    (eager_weights, eager_trainer, _), (weights, trainer, graphs_per_epoch) = eager, graphed
+    engines = (trainer.engine, trainer._runner._engine.active_eval_engine)
+    _assert_graphed_run(name, engines, graphs_per_epoch, replays, ours, weights, eager_weights)
     torch.testing.assert_close(trainer.callback_metrics["val_loss"], eager_trainer.callback_metrics["val_loss"],
                                rtol=1e-5, atol=0)
 
