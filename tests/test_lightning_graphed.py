@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from fasttrain.engine import ENGINES  # noqa: E402
@@ -49,7 +50,13 @@ class ReplaysRunNoPython(HostGraphEngine):
 
         def kernels_only():
             lengths = [len(store.pending) for store in stores]
-            step()
+            for store in stores:  # the step's eager hooks record their calls too, as at capture
+                store.recording = True
+            try:
+                step()
+            finally:
+                for store in stores:
+                    store.recording = False
             for store, length, calls in zip(stores, lengths, captured):
                 for call, template in zip(store.pending[length:], calls):
                     if isinstance(template[2], torch.Tensor):  # a logged number is a constant of the capture
@@ -219,6 +226,65 @@ def test_a_counter_in_the_update_hook_refuses_the_capture_naming_it(graphed_engi
     assert "'host_steps'" in ours[0] and "the 'cudagraph' engine cannot run here" in ours[0], ours
     assert fm.host_steps == lm.host_steps == 12
     assert_same_weights(lm, fm, atol=1e-5)
+
+
+class LogsAroundTheBackward(Classifier):
+    """Logs the loss before the backward and each layer's gradient norm after it, on the device
+    (no host read)."""
+
+    def on_before_backward(self, loss):
+        self.log("loss_before_backward", loss * 3)
+
+    def on_after_backward(self):
+        self.log_dict({f"grad/{name}": p.grad.norm() for name, p in self.net.named_parameters()})
+
+
+class GradientNormsAfterBackward(Classifier):
+    """Lightning's grad_norm after the backward: eagerly, it builds the total norm on the host."""
+
+    def on_after_backward(self):
+        from lightning.pytorch.utilities import grad_norm
+
+        self.log_dict(grad_norm(self.net, norm_type=2))
+
+
+class ReadsGradientsAfterBackward(L.Callback):
+    def __init__(self):
+        self.norms = []
+
+    def on_after_backward(self, trainer, module):
+        self.norms.append(sum(p.grad.norm() for p in module.parameters()))
+
+
+@pytest.mark.parametrize("module_cls, callbacks, runs", [
+    (LogsAroundTheBackward, (), "cudagraph"),
+    (GradientNormsAfterBackward, (), "compiled"),
+    (Classifier, (ReadsGradientsAfterBackward,), "compiled"),
+], ids=["module-logs", "module-reads-the-host", "callback"])
+def test_the_modules_own_backward_hooks_are_captured_with_the_step(graphed_engine, module_cls, callbacks, runs):
+    """The module's on_before_backward and on_after_backward run eagerly inside a capture: their
+    self.log calls are recorded and filed again after each replay, with accumulation too. One that
+    reads a device value on the host refuses the capture (the step runs compiled); a callback's
+    backward hook, whose state nothing watches, moves the fit to the compiled engine at the start."""
+    ours_callbacks = [cls() for cls in callbacks]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lt, lm, ft, fm = fit_both(
+            module_cls, train_loader, trainer_kwargs=dict(max_epochs=3, accumulate_grad_batches=2),
+            fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT, callbacks=ours_callbacks), quiet=False,
+        )
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert ft.engine == runs
+    if runs == "cudagraph":
+        assert ours == [] and _replays() > 0
+    elif callbacks:
+        assert len(ours) == 1 and "a callback's on_after_backward" in ours[0], ours
+        assert len(ours_callbacks[0].norms) == 18
+    else:
+        assert len(ours) == 1 and "host read" in ours[0] and "'compiled'" in ours[0], ours
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+    assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
 
 
 class ReadsTheStep(Classifier):

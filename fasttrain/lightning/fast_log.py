@@ -112,7 +112,7 @@ def step_logger(module: LightningModule, trainer) -> Optional[Callable]:
         sync_dist = sync_dist and trainer._accelerator_connector.is_distributed
         # the store files the value (results.py); its public log() adds only what a step traced by
         # dynamo needs (the call recorded), so an eager step calls the filing itself
-        file = results.log if torch.compiler.is_compiling() else results._log
+        file = results.log if torch.compiler.is_compiling() or results.recording else results._log
         file(fx, name, value, prog_bar, True if logger is None else logger, resolved[0], resolved[1], reduce_fx,
              enable_graph, add_dataloader_idx, batch_size, sync_dist, trainer.strategy.reduce if sync_dist else None,
              sync_dist_group, metric_attribute, rank_zero_only)

@@ -30,6 +30,7 @@ from fasttrain.lightning.ckpt_path import select as select_ckpt_path
 from fasttrain.lightning.combined import evaluation_loaders, plain_loader, prediction_loaders
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
+    OBSERVED_BACKWARD_HOOKS,
     HookCaller,
     merge_module_callbacks,
     module_overrides,
@@ -204,7 +205,7 @@ def _choose_engine(lt, requested: str, device) -> str:
     hooks = lt._hooks
     name = auto_engine_name(device) if requested == "auto" else requested
     if not module.automatic_optimization:
-        blockers, target = ["automatic_optimization = False"], "eager"
+        blockers, target = ["the module's automatic_optimization = False"], "eager"
     else:
         if name != "eager" and may_return_none(module):
             warnings.warn(
@@ -221,7 +222,7 @@ def _choose_engine(lt, requested: str, device) -> str:
         # captured with it: their self.log calls are filed again after each replay, and a change
         # to the module's attributes refuses the capture, as for the training step
         # (graph_logging.py)
-        blockers = ["optimizer_step"] if module_overrides(module, "optimizer_step") else []
+        blockers = ["the module's optimizer_step"] if module_overrides(module, "optimizer_step") else []
         blockers += [f"an optimizer whose step needs a closure ({type(o).__name__})"
                      for o in lt.optimizers if _needs_closure(o)]
         if lt._args.detect_anomaly:
@@ -231,16 +232,18 @@ def _choose_engine(lt, requested: str, device) -> str:
         target = "eager"
         if not blockers and name == "cudagraph":
             # a graph replays the kernels of these hooks, not their Python, whose effects (on a
-            # callback's own state, say) nothing watches
-            blockers = [h for h in BACKWARD_HOOKS if hooks.overridden(h)]
-            if hooks.callback_methods("on_before_optimizer_step"):
-                blockers.append("a callback's on_before_optimizer_step")
+            # callback's own state, say) nothing watches; the module's own on_before_backward and
+            # on_after_backward run (eagerly) inside the capture, watched as its training step
+            blockers = [f"the module's {h}" for h in BACKWARD_HOOKS
+                        if module_overrides(module, h) and h not in OBSERVED_BACKWARD_HOOKS]
+            blockers += [f"a callback's {h}" for h in (*BACKWARD_HOOKS, "on_before_optimizer_step")
+                         if hooks.callback_methods(h)]
             target = "compiled"
     if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
         return name
     warnings.warn(
-        f"fasttrain: the module overrides {', '.join(blockers)}, which runs host code the {name!r} engine "
-        f"cannot replay; this fit runs on the {target!r} engine instead.",
+        f"fasttrain: {', '.join(blockers)} run(s) host code the {name!r} engine cannot replay; this fit runs on "
+        f"the {target!r} engine instead.",
         RuntimeWarning,
         stacklevel=4,
     )

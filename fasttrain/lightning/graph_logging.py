@@ -88,12 +88,16 @@ class LoggedCalls(HostEffects):
         module = self.lt.lightning_module
         if store is None:
             return None
+        # the hooks the capture runs eagerly (the module's backward hooks) record their calls
+        # too, as a compiled step's are recorded, instead of filing them once
+        store.recording = True
         return store, len(store.pending), module, _python_state(module), _saved_attributes(module)
 
     def taken_since(self, mark):
         if mark is None:
             return None
         store, start, module, state, _ = mark
+        store.recording = False
         calls = store.pending[start:]
         del store.pending[start:]
         changed = _changed(state, _python_state(module))
@@ -117,6 +121,7 @@ class LoggedCalls(HostEffects):
     def discard(self, mark) -> None:
         if mark is not None:
             store, start, module, _, saved = mark
+            store.recording = False
             del store.pending[start:]
             _restore_attributes(module, saved)
 

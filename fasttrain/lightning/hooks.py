@@ -27,6 +27,10 @@ from lightning.pytorch.utilities import rank_zero_info
 UPDATE_HOOKS = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
 # hooks captured with the backward in a CUDA graph
 BACKWARD_HOOKS = ("backward", "on_before_backward", "on_after_backward", "on_before_zero_grad", "optimizer_zero_grad")
+# those of them whose module override the graphed engine captures: their self.log calls are
+# recorded and filed again after each replay, and what they change on the module refuses the
+# capture (graph_logging.py)
+OBSERVED_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
 
 
 # LightningModule defaults that do something and must run when not overridden

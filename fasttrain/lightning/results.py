@@ -186,6 +186,9 @@ class ResultStore:
         self._batch_size: Optional[int] = None
         self.dataloader_idx: Optional[int] = None
         self.pending: list = []
+        #: set while a CUDA graph captures a step (graph_logging.py): the calls its eager hooks
+        #: make are recorded as a compiled step's are, to be filed again after each replay
+        self.recording = False
 
     def start_batch(self, batch, dataloader_idx: Optional[int] = None) -> None:
         self.batch = batch
@@ -196,7 +199,7 @@ class ResultStore:
     def log(self, fx, name, value, prog_bar=False, logger=True, on_step=False, on_epoch=True, reduce_fx="mean",
             enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False, sync_dist_fn=None,
             sync_dist_group=None, metric_attribute=None, rank_zero_only=False) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self.recording:
             # Inside a compiled step, only record the call: dynamo replays the append after the
             # graph with the logged tensors as graph outputs, and nothing here reads the store's
             # changing host state (counts, which keys exist), which would be guarded on and
