@@ -225,7 +225,8 @@ def test_cudagraph_engine_on_cuda_matches_lightning():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_lightning(exact_cuda):
     """The CPU test above with real graphs: dict batches, a final norm, tied weights, norm
-    clipping, and the gradient norms logged in on_before_optimizer_step, filed after each replay
+    clipping, and the gradient norms logged in on_after_backward (eagerly, during the capture) and
+    in on_before_optimizer_step (compiled with the update), filed after each replay
     (aot_eager: what is checked is the capture and the replays, not Inductor's kernels, and it
     keeps the device run's test step short)."""
     from lightning_modules import TiedCausalLMLoggingNorms, TokenDicts
@@ -238,7 +239,7 @@ def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_li
     )
     assert ft.engine == "cudagraph" and set(ft._runner._engine._train_graphs) == {True}
     assert ft.global_step == lt.global_step == 15
-    assert "grad_2.0_norm/emb.weight" in ft.logged_metrics
+    assert "grad_2.0_norm/emb.weight" in ft.logged_metrics and "tied_grad_norm" in ft.logged_metrics
     assert_same_weights(lm.cpu(), fm.cpu(), atol=1e-5)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-4)
 
@@ -348,9 +349,9 @@ def test_a_layer_unfrozen_at_an_epoch_start_trains_on_the_compiled_engine_as_und
 )
 def test_a_tied_causal_lm_on_dict_batches_trains_as_under_lightning(monkeypatch, engine, log_grad_norms, runs):
     """The compiled and graphed paths on a module shaped like users' (dict batches, final norm,
-    head tied to the embedding, norm clipping, a per-step schedule), with and without the update
-    hook that logs gradient norms: Lightning's weights and logged values, and nothing compiled
-    after the first epoch."""
+    head tied to the embedding, norm clipping, a per-step schedule), with and without the hooks
+    that log gradient norms (after the backward, before the update): Lightning's weights and
+    logged values, and nothing compiled after the first epoch."""
     from fasttrain.engine import ENGINES
     from test_engine_graph_logic import AOT
     from test_lightning_graphed import ReplaysRunNoPython

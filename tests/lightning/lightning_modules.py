@@ -182,7 +182,11 @@ class TiedCausalLM(L.LightningModule):
 
 
 class TiedCausalLMLoggingNorms(TiedCausalLM):
-    """Logs the gradient norms before each update, as Lightning's docs show."""
+    """Logs the gradient norms before each update, as Lightning's docs show, and the tied
+    weight's after each backward (on the device: no host read)."""
+
+    def on_after_backward(self):
+        self.log("tied_grad_norm", self.emb.weight.grad.norm())
 
     def on_before_optimizer_step(self, optimizer):
         from lightning.pytorch.utilities import grad_norm
