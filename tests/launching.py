@@ -78,7 +78,8 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 PEER_TIMEOUT_MARKERS = ("Timed out waiting", "timed out waiting")
 
 
-def run_restartable(script: Path, out: Path, *args, max_restarts: int, timeout_s: float, what: str) -> float:
+def run_restartable(script: Path, out: Path, *args, max_restarts: int, timeout_s: float, what: str,
+                    planned: str = None) -> float:
     """``script out *args`` in two CPU processes that torchrun starts again up to
     ``max_restarts`` times (its log in ``out/launch.log``); fails the test unless it ends with
     0 within ``timeout_s``. Returns the seconds of the launch that succeeded.
@@ -87,28 +88,36 @@ def run_restartable(script: Path, out: Path, *args, max_restarts: int, timeout_s
     came (:data:`PEER_TIMEOUT_MARKERS`), is started once more from the beginning, in an empty
     ``out`` (the first attempt's files, its log included, move to ``out.attempt1``), with a
     warning carrying the end of the first attempt's log: a gloo peer stalled on a loaded machine
-    fails one attempt, not the suite. Any other failure, or a second hang, fails the test."""
+    fails one attempt, not the suite. So is a launch that ended with 0 without the file
+    ``planned`` in ``out``, which the script's planned failure writes (a process that kills
+    itself): a process failed before it, on its own, and torchrun's restart went to that failure,
+    which the warning shows. Any other failure, or a second one, fails the test."""
     env = launch_env(ACCELERATE_USE_CPU="1", **RESTART_ENV)
-    started = time.monotonic()
-    launch = start(torchrun_two(script, out, *args, max_restarts=max_restarts), out / "launch.log", env)
-    try:
-        code = launch.wait(started + timeout_s)
-    except LaunchHung:
-        code = None
-    if code == 0:
-        return time.monotonic() - started
-    if code is not None and not any(marker in launch.log_tail(HUNG_LOG_TAIL) for marker in PEER_TIMEOUT_MARKERS):
-        pytest.fail(f"{what} failed ({code}); end of its output:\n{launch.log_tail()}")
-    why = "hung" if code is None else "failed on a collective that waited for a peer until its timeout"
-    warnings.warn(f"{what} {why} and is started again from the beginning; the end of its output:\n"
-                  f"{launch.log_tail(HUNG_LOG_TAIL)}", stacklevel=2)
-    out.replace(out.with_name(f"{out.name}.attempt1"))
-    out.mkdir()
-    started = time.monotonic()
-    # a fresh port: the first attempt's rendezvous store may still hold the port
-    launch = start(torchrun_two(script, out, *args, max_restarts=max_restarts), out / "launch.log", env)
-    finish(launch, started + timeout_s, f"{what} (started again)")
-    return time.monotonic() - started
+    for attempt in (1, 2):
+        started = time.monotonic()
+        # each attempt on fresh ports: the first attempt's rendezvous store may still hold its port
+        launch = start(torchrun_two(script, out, *args, max_restarts=max_restarts), out / "launch.log", env)
+        try:
+            code = launch.wait(started + timeout_s)
+        except LaunchHung:
+            code = None
+        if code == 0 and (planned is None or (out / planned).exists()):
+            return time.monotonic() - started
+        if code == 0:
+            why = (f"ended without the planned failure ({planned} missing): a process failed before it, and "
+                   "torchrun's restart went to that failure")
+        elif code is None:
+            why = "hung"
+        elif any(marker in launch.log_tail(HUNG_LOG_TAIL) for marker in PEER_TIMEOUT_MARKERS):
+            why = "failed on a collective that waited for a peer until its timeout"
+        else:
+            pytest.fail(f"{what} failed ({code}); end of its output:\n{launch.log_tail()}")
+        if attempt == 2:
+            pytest.fail(f"{what} (started again) {why}; end of its output:\n{launch.log_tail(HUNG_LOG_TAIL)}")
+        warnings.warn(f"{what} {why} and is started again from the beginning; the end of its output:\n"
+                      f"{launch.log_tail(HUNG_LOG_TAIL)}", stacklevel=2)
+        out.replace(out.with_name(f"{out.name}.attempt1"))
+        out.mkdir()
 
 
 def run_two_and_one(worker: Path, out: Path, env, timeout_s: float) -> dict:

@@ -189,3 +189,39 @@ def test_a_restartable_launch_failing_otherwise_fails_at_once(tmp_path, peer_scr
         run_restartable(peer_script, out, tmp_path / "ran", "ValueError: wrong shapes", max_restarts=0, timeout_s=120,
                         what="the launch")
     assert not (tmp_path / "out.attempt1").exists()
+
+
+#: ends with 0 in both processes; process 0 writes ``planned`` into ``out`` from the given start on
+PLANNED_SCRIPT = """
+import os, sys
+out, marker, planned_from = sys.argv[1:]
+rank = os.environ["RANK"]
+starts = len([p for p in os.listdir(os.path.dirname(marker)) if p.startswith(os.path.basename(marker) + rank)])
+open(marker + rank + "-" + str(starts), "w").close()
+if rank == "0" and starts + 1 >= int(planned_from):
+    open(os.path.join(out, "killed.pt"), "w").close()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("planned_from", [2, 3], ids=["second-start", "never"])
+def test_a_launch_that_ends_without_its_planned_failure_starts_again_once(tmp_path, planned_from):
+    """A launch whose script was to kill a process and write a file first, and that ended with 0
+    without the file, ran its restart for another failure: started again once, then it fails."""
+    script = tmp_path / "planned.py"
+    script.write_text(PLANNED_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    ran = tmp_path / "ran" / "start"
+    ran.parent.mkdir()
+    args = (script, out, ran, planned_from)
+    if planned_from == 2:
+        with pytest.warns(UserWarning, match="the launch ended without the planned failure \\(killed.pt missing\\)"):
+            run_restartable(*args, max_restarts=0, timeout_s=120, what="the launch", planned="killed.pt")
+        assert (out / "killed.pt").exists() and not (tmp_path / "out.attempt1" / "killed.pt").exists()
+    else:
+        with pytest.warns(UserWarning), pytest.raises(
+            pytest.fail.Exception, match="the launch \\(started again\\) ended without the planned failure"
+        ):
+            run_restartable(*args, max_restarts=0, timeout_s=120, what="the launch", planned="killed.pt")
+    assert len(list(ran.parent.iterdir())) == 4  # two starts of two processes

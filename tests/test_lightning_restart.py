@@ -25,7 +25,8 @@ BATCHES_PER_EPOCH = 6
 
 def _launch(out: Path, kill_step: int, kill_rank: int = 0) -> list:
     seconds = run_restartable(WORKER, out, kill_step, kill_rank, max_restarts=1 if kill_step else 0,
-                              timeout_s=LAUNCH_TIMEOUT_S, what=f"the Lightning fit (kill after batch {kill_step})")
+                              timeout_s=LAUNCH_TIMEOUT_S, what=f"the Lightning fit (kill after batch {kill_step})",
+                              planned="killed.pt" if kill_step else None)
     print(f"\nLightning launch, kill after batch {kill_step}: {seconds:.1f}s")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 

@@ -38,7 +38,8 @@ def _launch(out: Path, mode: str, scenario: str, kill_step: int = 0, kill_rank: 
     out.mkdir(parents=True, exist_ok=True)
     restarts = 0 if scenario == "none" else 1
     seconds = run_restartable(WORKER, out, mode, scenario, kill_step, kill_rank, max_restarts=restarts,
-                              timeout_s=LAUNCH_TIMEOUT_S, what=f"torchrun --max-restarts {restarts} ({mode}, {scenario})")
+                              timeout_s=LAUNCH_TIMEOUT_S, what=f"torchrun --max-restarts {restarts} ({mode}, {scenario})",
+                              planned=None if scenario == "none" else "killed.pt")
     killed = out / "killed.pt"
     return types.SimpleNamespace(
         ranks=[torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)],
