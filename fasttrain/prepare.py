@@ -203,6 +203,7 @@ def step_context(trainer, base: type) -> StepContext:
         update_read_host=lambda: trainer._nonfinite.last_update_read_host,
         before_update_capture=trainer._update_clip.before_capture,
         host_effects=trainer._host_effects(),
+        zero_grad_before_step=trainer._zero_grad_before_step(),
         compile_owner=trainer._compile_owner(),
         keeps_model_outputs=lambda phase: any(
             asks_for_model_outputs(cb, phase) for cb in trainer.callback_handler.callbacks

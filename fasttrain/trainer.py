@@ -551,6 +551,11 @@ class Trainer(ForwardBackwardHelper):
         (the Lightning runner's ``self.log`` calls)."""
         return NO_HOST_EFFECTS
 
+    def _zero_grad_before_step(self):
+        """StepContext.zero_grad_before_step: None, gradients are cleared after each update here
+        (the Lightning runner's hooks clear them at a window's start)."""
+        return None
+
     def _clip_for_update(self):
         """The callable that clips the gradients once per update (a subclass may add steps
         around the clipping); the step context hands it to the engine."""

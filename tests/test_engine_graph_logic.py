@@ -53,14 +53,23 @@ class HostGraph:
     the variants it compiled before, and the stand-in says so rather than replaying what a device
     would not."""
 
-    def __init__(self, body, compiled_code):
+    def __init__(self, body, compiled_code, grads=()):
         self._body = body
         #: the compiled code objects the capture ran, in order (see _compiled_code_run)
         self.compiled_code = compiled_code
+        #: ``(parameter, gradient tensor)`` a training step's capture accumulated into
+        self.captured_grads = grads
         self.replays = 0
 
     def replay(self):
         self.replays += 1
+        for p, grad in self.captured_grads:
+            if p.grad is not grad:
+                raise StaleReplay(
+                    "a replay found another gradient tensor (or None) where its capture accumulated: a "
+                    "CUDA graph would write into the captured tensor, and the parameter's .grad would "
+                    "not see it (no error on a device)"
+                )
         before = compiles_so_far()
         try:
             ran = _compiled_code_run(self._body)[1]
@@ -149,11 +158,21 @@ class HostGraphEngine(CudaGraphEngine):
         HostGraphEngine.new_pools += 1
         self._pool = HostGraphEngine.new_pools
 
+    def _capture_and_replay(self, *args, **kwargs):
+        self._capturing_training, before = True, getattr(self, "_capturing_training", False)
+        try:
+            return super()._capture_and_replay(*args, **kwargs)
+        finally:
+            self._capturing_training = before
+
     def _record(self, body):
         trainer = self.trainer
         rings = [r for r in (self._train_ring, self._eval_ring) if r is not None]
         extra = [t for r in rings for t in (r.losses.buffer, r.aux)] + list(self.ctx.mutated_flags())
         snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=extra)
+        grads = ()
+        if getattr(self, "_capturing_training", False):
+            grads = tuple((p, p.grad) for p in trainer.model.parameters() if p.grad is not None)
         # a capture draws no random numbers from the generator (a replay advances it by what the
         # graph draws, where the step run eagerly would): dropout in the replays sees eager's stream
         rng = torch.get_rng_state()
@@ -163,7 +182,7 @@ class HostGraphEngine(CudaGraphEngine):
         finally:
             snapshot.restore()  # a capture records the step without running it, even one that fails
             torch.set_rng_state(rng)
-        graph = HostGraph(body, compiled_code)
+        graph = HostGraph(body, compiled_code, grads)
         HostGraphEngine.graphs.append(graph)
         return graph, outputs
 

@@ -92,7 +92,7 @@ class StrictHostGraph(HostGraph):
     state it was captured with: a replay on anything else fails instead of silently working."""
 
     def __init__(self, recorded: HostGraph, optimizer):
-        super().__init__(recorded._body, recorded.compiled_code)
+        super().__init__(recorded._body, recorded.compiled_code, recorded.captured_grads)
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.grads = [p.grad for p in self.params]

@@ -287,6 +287,96 @@ def test_the_modules_own_backward_hooks_are_captured_with_the_step(graphed_engin
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
 
 
+def _gradients(module) -> list:
+    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+
+class ReadsGradientsAroundTheZeroing(L.Callback):
+    """Records, into the module's ``seen``, the gradients at each batch's start, before each
+    clearing and at each batch's end, with the step counter: what eager training shows a hook."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        module.seen.append(("batch_start", trainer.global_step, _gradients(module)))
+
+    def on_before_zero_grad(self, trainer, module, optimizer):
+        module.seen.append(("on_before_zero_grad", trainer.global_step, _gradients(module)))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        module.seen.append(("batch_end", trainer.global_step, _gradients(module)))
+
+
+class ClearsGradientsItself(Classifier):
+    """Clears the gradients in its own optimizer_zero_grad (to None, torch's default, or to zeros
+    in place) and reads them through a callback of its own around each clearing."""
+
+    set_to_none = True
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        self.seen.append(("optimizer_zero_grad", batch_idx, _gradients(self)))
+        optimizer.zero_grad(set_to_none=self.set_to_none)
+
+    def configure_callbacks(self):
+        return [ReadsGradientsAroundTheZeroing()]
+
+
+class ClearsGradientsToZeros(ClearsGradientsItself):
+    set_to_none = False
+
+
+class ReadsGradientsBeforeLightningsZeroing(Classifier):
+    """Lightning's own optimizer_zero_grad (gradients to None), with a callback reading them
+    before each clearing: the callback's hook makes the zeroing the module's, as in Lightning."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def configure_callbacks(self):
+        return [ReadsGradientsAroundTheZeroing()]
+
+
+def _assert_same_sightings(reference: list, ours: list) -> None:
+    assert [event[:2] for event in ours] == [event[:2] for event in reference]
+    for (name, step, theirs), (_, _, mine) in zip(reference, ours):
+        assert [g is None for g in mine] == [g is None for g in theirs], (name, step)
+        for a, b in zip(theirs, mine):
+            if a is not None:
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=f"{name} at step {step}")
+
+
+@pytest.mark.parametrize("module_cls, accumulate", [
+    (ClearsGradientsItself, 1),
+    (ClearsGradientsItself, 2),
+    (ClearsGradientsToZeros, 2),
+    (ReadsGradientsBeforeLightningsZeroing, 2),
+], ids=["to-none", "to-none-accumulating", "to-zeros-accumulating", "callback-reads-before"])
+def test_zero_grad_hooks_that_clear_gradients_keep_the_graphs_and_show_what_lightning_shows(
+    graphed_engine, module_cls, accumulate
+):
+    """The zero-grad hooks Lightning calls at the start of each accumulation window (the module's
+    optimizer_zero_grad, a callback's on_before_zero_grad) run eagerly before each graphed step,
+    whatever they do to the gradients: the fit stays on the graphed engine, the hooks see the
+    gradients Lightning shows them, and the weights are Lightning's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lt, lm, ft, fm = fit_both(
+            module_cls, train_loader, trainer_kwargs=dict(max_epochs=3, accumulate_grad_batches=accumulate),
+            fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT), quiet=False,
+        )
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert ours == []
+    assert ft.engine == "cudagraph"
+    assert True in ft._runner._engine._train_graphs and _replays() > 0
+    assert len(fm.seen) == len(lm.seen) > 18 * 2
+    _assert_same_sightings(lm.seen, fm.seen)
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+
+
 class ReadsTheStep(Classifier):
     """Logs Lightning's step counter and branches on the batch index: Python values that change
     every batch, which a replayed graph would repeat as captured."""

@@ -212,6 +212,13 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
             # a callback swapped the model in (an EMA model, say): the graphs hold the other
             # one's tensors, so this step runs through the compiled path
             return super().train_step(batch, update)
+        ahead = self.ctx.zero_grad_before_step
+        if ahead is None:
+            return self._graphed_train_step(batch, update)
+        with ahead():  # the trainer's zero-grad hooks, before the step (context.py)
+            return self._graphed_train_step(batch, update)
+
+    def _graphed_train_step(self, batch, update: bool) -> dict:
         if self.ctx.step_in_epoch() == 0:
             self._check_trainable()
             self._check_model_parameters()

@@ -31,6 +31,7 @@ from fasttrain.lightning.combined import evaluation_loaders, plain_loader, predi
 from fasttrain.lightning.hooks import (
     BACKWARD_HOOKS,
     OBSERVED_BACKWARD_HOOKS,
+    ZERO_GRAD_HOOKS,
     HookCaller,
     merge_module_callbacks,
     module_overrides,
@@ -233,11 +234,12 @@ def _choose_engine(lt, requested: str, device) -> str:
         if not blockers and name == "cudagraph":
             # a graph replays the kernels of these hooks, not their Python, whose effects (on a
             # callback's own state, say) nothing watches; the module's own on_before_backward and
-            # on_after_backward run (eagerly) inside the capture, watched as its training step
+            # on_after_backward run (eagerly) inside the capture, watched as its training step;
+            # the zero-grad hooks run eagerly before each step (runner._ZeroGradAhead)
             blockers = [f"the module's {h}" for h in BACKWARD_HOOKS
-                        if module_overrides(module, h) and h not in OBSERVED_BACKWARD_HOOKS]
+                        if module_overrides(module, h) and h not in OBSERVED_BACKWARD_HOOKS + ZERO_GRAD_HOOKS]
             blockers += [f"a callback's {h}" for h in (*BACKWARD_HOOKS, "on_before_optimizer_step")
-                         if hooks.callback_methods(h)]
+                         if h not in ZERO_GRAD_HOOKS and hooks.callback_methods(h)]
             target = "compiled"
     if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
         return name

@@ -31,6 +31,8 @@ BACKWARD_HOOKS = ("backward", "on_before_backward", "on_after_backward", "on_bef
 # recorded and filed again after each replay, and what they change on the module refuses the
 # capture (graph_logging.py)
 OBSERVED_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
+# those of them that the graphed engine runs eagerly before each step, outside the capture
+ZERO_GRAD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad")
 
 
 # LightningModule defaults that do something and must run when not overridden

@@ -37,6 +37,8 @@ class ModuleRunner(FasttrainTrainer):
         self.lt = lightning_trainer
         self.batch_idx = 0
         self.window_start = True  # the micro-step opens an accumulation window
+        #: > 0 inside the graphed engine's step, whose zero-grad hooks ran before it (_ZeroGradAhead)
+        self._zeroed_ahead = 0
         #: ``self.log`` for the module's steps (see fast_log.py), put in place by run_step on the
         #: eager engine and around the engine's call on the compiled ones (engine_steps); else None
         self.step_log = None
@@ -253,7 +255,7 @@ class ModuleRunner(FasttrainTrainer):
 
     def backward_step(self, loss):
         lt = self.lt
-        if self.window_start and lt._own_zero_grad:
+        if self.window_start and lt._own_zero_grad and not self._zeroed_ahead:
             self.zero_grad_at_window_start()
         if lt._plain_backward_hooks:
             FasttrainTrainer.backward_step(self, loss)  # super() without building a super object per step
@@ -333,6 +335,10 @@ class ModuleRunner(FasttrainTrainer):
     def _host_effects(self):
         return LoggedCalls(self.lt)
 
+    def _zero_grad_before_step(self):
+        # the graphed engine runs the module's and callbacks' zero-grad hooks before its step
+        return _ZeroGradAhead(self) if self.lt._own_zero_grad else None
+
     def _compile_owner(self):
         # a runner lives for one fit(); the module outlives it
         return self.lt.lightning_module
@@ -373,6 +379,37 @@ class ModuleRunner(FasttrainTrainer):
         return self.run_step(
             lt._eval_step_name, *self.step_args(lt._eval_step_name, batch, self.batch_idx, lt._eval_dataloader_idx)
         )
+
+
+class _ZeroGradAhead:
+    """StepContext.zero_grad_before_step of a fit that clears gradients through its own hooks.
+
+    Lightning runs them at a window's first micro-step between the training step and the
+    backward; a CUDA graph replays neither their Python nor what they do to ``.grad`` (a
+    gradient set to None is not an operation). Around each step of the graphed engine (warm-up,
+    capture, replay) they run first, eagerly, every window as under Lightning, and the step's
+    backward leaves them out. Whatever they leave is what the step accumulates into: gradients
+    they set to None get their captured tensors back, zeroed, before a replay (the replay guard),
+    which gives the new gradients as a fresh backward would. What moves is only their place
+    relative to the training step, whose own Python a replay does not run anyway. Re-entered by
+    a step that is undone and run again (a failed capture), the hooks run once."""
+
+    __slots__ = ("runner",)
+
+    def __init__(self, runner: ModuleRunner):
+        self.runner = runner
+
+    def __call__(self) -> "_ZeroGradAhead":
+        return self
+
+    def __enter__(self) -> None:
+        runner = self.runner
+        if not runner._zeroed_ahead and runner.window_start:
+            runner.zero_grad_at_window_start()
+        runner._zeroed_ahead += 1
+
+    def __exit__(self, *exc) -> None:
+        self.runner._zeroed_ahead -= 1
 
 
 def _sized(loader) -> bool:
