@@ -464,3 +464,41 @@ def test_numbers_logged_in_a_captured_step_are_logged_as_under_lightning(graphed
     assert_same_weights(lm, fm, atol=1e-5)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics)
+
+
+def test_a_replays_logged_values_are_copied_together_and_kept_apart_from_the_next_replay():
+    """After each replay the logged values are copied out of the graph's outputs, which the next
+    replay overwrites: the float scalars in one stack (one kernel for a step that logs a norm per
+    parameter), any other tensor alone, a Python number as it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fasttrain.lightning.graph_logging import _ReplayedCalls
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    outputs = [torch.tensor(float(i)) for i in range(5)] + [torch.tensor(7), torch.arange(3.0), 2.5]
+    calls = [("training_step", f"v{i}", value, i % 2 == 0) for i, value in enumerate(outputs)]
+    replayed = _ReplayedCalls(calls)
+    for replay in range(2):
+        for value in outputs[:7]:  # the replay writes into the captured outputs
+            value.add_(10)
+        with Ops() as counted:
+            fresh = replayed.with_fresh_values()
+        assert sorted(counted.ops) == ["aten.clone.default", "aten.clone.default", "aten.stack.default", "aten.unbind.int"]
+        assert [call[:2] + call[3:] for call in fresh] == [call[:2] + call[3:] for call in calls]
+        expected = [float(i + 10 * (replay + 1)) for i in range(5)] + [7 + 10 * (replay + 1)]
+        for value in outputs[:7]:  # the next replay: the copies keep this one's values
+            value.add_(1000)
+        assert [call[2].item() for call in fresh[:6]] == expected
+        assert fresh[5][2].dtype == torch.int64
+        assert torch.equal(fresh[6][2], torch.arange(3.0) + 10 * (replay + 1))
+        assert fresh[7][2] == 2.5
+        for value in outputs[:7]:
+            value.sub_(1000)

@@ -116,7 +116,7 @@ class LoggedCalls(HostEffects):
                     f"self.log({call[1]!r}, <{type(call[_VALUE]).__name__}>) inside {call[0]}: a logged "
                     "torchmetrics Metric keeps counters in Python that a CUDA graph's replay does not advance"
                 )
-        return store, calls
+        return store, _ReplayedCalls(calls)
 
     def discard(self, mark) -> None:
         if mark is not None:
@@ -146,9 +146,40 @@ class LoggedCalls(HostEffects):
         if effects is None:
             return
         store, calls = effects
-        store.pending.extend((*call[:_VALUE], _fresh(call[_VALUE]), *call[_VALUE + 1:]) for call in calls)
+        store.pending.extend(calls.with_fresh_values())
 
 
-def _fresh(value):
-    # a replay overwrites the graph's outputs: the store keeps a copy; a number is immutable
-    return value.clone() if isinstance(value, torch.Tensor) else value
+class _ReplayedCalls:
+    """The calls a captured step recorded, and how to copy the values a replay writes into their
+    tensors (the next replay overwrites them; a value the loggers or callbacks hold must not
+    change under them; a number is immutable). The scalars of one dtype and device, which is what
+    ``self.log`` is given, are copied together: one ``stack`` and views of it, one kernel for a
+    step that logs a gradient norm per parameter instead of one copy each."""
+
+    __slots__ = ("calls", "_stacked", "_cloned")
+
+    def __init__(self, calls: list):
+        self.calls = calls
+        groups: dict = {}
+        cloned = []
+        for i, call in enumerate(calls):
+            value = call[_VALUE]
+            if isinstance(value, torch.Tensor):
+                if value.dim() == 0:
+                    groups.setdefault((value.dtype, value.device), []).append(i)
+                else:
+                    cloned.append(i)
+        self._stacked = [(positions, [calls[i][_VALUE] for i in positions])
+                         for positions in groups.values() if len(positions) > 1]
+        self._cloned = cloned + [positions[0] for positions in groups.values() if len(positions) == 1]
+
+    def with_fresh_values(self) -> list:
+        calls = self.calls
+        values = [call[_VALUE] for call in calls]
+        with torch.no_grad():
+            for i in self._cloned:
+                values[i] = values[i].clone()
+            for positions, scalars in self._stacked:
+                for i, value in zip(positions, torch.stack(scalars).unbind()):
+                    values[i] = value
+        return [(*call[:_VALUE], value, *call[_VALUE + 1:]) for call, value in zip(calls, values)]
