@@ -244,6 +244,27 @@ def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_li
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_module_clearing_gradients_to_none_itself_is_captured_on_cuda_as_under_lightning(exact_cuda):
+    """The CPU test of test_lightning_graphed with real graphs: the module's optimizer_zero_grad
+    sets the gradients to None at each window's start (accumulating 2), a callback of its own
+    reads them around it; the hooks run before each replay and the captured gradients are bound
+    again, zeroed."""
+    from test_engine_graph_logic import AOT
+    from test_lightning_graphed import ClearsGradientsItself, _assert_same_sightings
+
+    lt, lm, ft, fm = fit_both(
+        ClearsGradientsItself, train_loader,
+        trainer_kwargs=dict(max_epochs=3, accumulate_grad_batches=2, accelerator="gpu", devices=1),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    assert ft.engine == "cudagraph" and True in ft._runner._engine._train_graphs
+    assert len(fm.seen) == len(lm.seen)
+    _assert_same_sightings(lm.seen, fm.seen)
+    assert_same_weights(lm.cpu(), fm.cpu(), atol=1e-5)
+
+
 class HalvesEveryStep(Classifier):
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
