@@ -47,6 +47,40 @@ def test_gradients_set_to_none_or_replaced_are_put_back_with_the_meant_value():
     assert not record.grads_rebound()
 
 
+def test_gradients_put_back_take_one_foreach_call_not_one_per_parameter():
+    """A module's own zero_grad(set_to_none=True) before every window leaves every gradient to
+    bind again: zeroed together (one kernel per dtype on a device), copies together, and a known
+    zero left as it is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model, optimizer = _stepped()
+    params = list(model.parameters())
+    record = CaptureRecord(model, optimizer)
+    captured = [p.grad for p in params]
+    with torch.no_grad():
+        captured[3].fill_(5.0)  # the update graph zeroed it in a real run: here left as it is
+    optimizer.zero_grad(set_to_none=True)
+    params[1].grad = torch.full_like(params[1], 2.0)
+    params[2].grad = torch.full_like(params[2], 3.0)
+    with Ops() as counted:
+        assert record.restore_grads(known_zero=frozenset({id(params[3])})) is None
+    assert counted.ops == ["aten._foreach_zero_.default", "aten._foreach_copy_.default"]
+    assert all(p.grad is g for p, g in zip(params, captured))
+    assert torch.equal(params[0].grad, torch.zeros_like(params[0]))
+    assert torch.equal(params[1].grad, torch.full_like(params[1], 2.0))
+    assert torch.equal(params[2].grad, torch.full_like(params[2], 3.0))
+    assert torch.equal(params[3].grad, torch.full_like(params[3], 5.0))
+
+
 def test_a_gradient_the_graph_never_had_is_refused():
     model, optimizer = _stepped()
     model[1].bias.grad = None

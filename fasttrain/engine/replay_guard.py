@@ -95,17 +95,25 @@ class CaptureRecord:
                 return "a gradient appeared for a parameter that had none when the step was captured"
             if current is not None and not _same_layout(current, captured):
                 return "a gradient was replaced by a tensor of another shape, stride, dtype or device"
+        zeroed, copied_to, copied_from = [], [], []
+        for p, captured in zip(self.params, self.grads):
+            current = p.grad
+            if current is captured:
+                continue
+            if current is None:
+                if id(p) not in known_zero:
+                    zeroed.append(captured)
+            else:
+                copied_to.append(captured)
+                copied_from.append(current)
+            p.grad = captured
+        # one foreach kernel (per dtype) for what a hook cleared, not one per parameter:
+        # a module's own zero_grad(set_to_none=True) leaves every gradient to bind again
         with torch.no_grad():
-            for p, captured in zip(self.params, self.grads):
-                current = p.grad
-                if current is captured:
-                    continue
-                if current is None:
-                    if id(p) not in known_zero:
-                        captured.zero_()
-                else:
-                    captured.copy_(current)
-                p.grad = captured
+            if zeroed:
+                torch._foreach_zero_(zeroed)
+            if copied_to:
+                torch._foreach_copy_(copied_to, copied_from)
         return None
 
     def model_change(self, model: torch.nn.Module) -> Optional[str]:
