@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from fasttrain import checkpointing, loops, prepare, signals
 from fasttrain.accelerate_state import build_accelerator, check_accelerator, GivenAccelerator
 from fasttrain.compat import ForwardBackwardHelper
+from fasttrain.engine_seams import EngineSeams
 from fasttrain.callbacks import (
     CallbackHandler,
     LimitBatchesCallback,
@@ -26,7 +27,6 @@ from fasttrain.callbacks import (
 )
 from fasttrain.data import default_dataloader_kwargs, merge_dataloader_kwargs
 from fasttrain.engine.clipping import GradientClipper
-from fasttrain.engine.context import NO_HOST_EFFECTS, overridden_hooks
 from fasttrain.engine.loss_scaling import LossScaling
 from fasttrain.nonfinite import NonFiniteGuard
 from fasttrain.placeholders import TrainerPlaceholderValues, resolve_placeholders
@@ -93,7 +93,7 @@ def _callback_sequence(callbacks) -> tuple:
     return tuple(callbacks)
 
 
-class Trainer(ForwardBackwardHelper):
+class Trainer(EngineSeams, ForwardBackwardHelper):
     """Trains and evaluates a model with overridable hooks and callbacks.
 
     The first five arguments are pytorch-accelerated's. fasttrain's own options are keyword-only:
@@ -531,30 +531,6 @@ class Trainer(ForwardBackwardHelper):
     def _run_eval_epoch(self, valid_dl, is_training: bool = True, is_intermediate: bool = False):
         """One evaluation epoch over ``valid_dl``."""
         loops.eval_epoch(self, valid_dl, is_training=is_training, is_intermediate=is_intermediate)
-
-    def _overridden_step_hooks(self, base) -> frozenset:
-        """The step hooks this trainer overrides, as the engines must take them (the graphed
-        engine zeroes gradients itself where ``optimizer_zero_grad`` is the default)."""
-        return overridden_hooks(self, base)
-
-    def _compile_owner(self):
-        """What the engines' compiled functions are kept with (StepContext.compile_owner)."""
-        return self
-
-    def _epoch_position(self):
-        """``(step_in_epoch, last_batch)`` for the step context: where in its epoch the step about
-        to run is (engine/context.py); ``last_batch`` None: from the epoch's batch count."""
-        return (lambda: self.progress.step_in_epoch), None
-
-    def _host_effects(self):
-        """What a step's Python leaves for the host that a graph replay must redo: nothing here
-        (the Lightning runner's ``self.log`` calls)."""
-        return NO_HOST_EFFECTS
-
-    def _zero_grad_before_step(self):
-        """StepContext.zero_grad_before_step: None, gradients are cleared after each update here
-        (the Lightning runner's hooks clear them at a window's start)."""
-        return None
 
     def _clip_for_update(self):
         """The callable that clips the gradients once per update (a subclass may add steps
