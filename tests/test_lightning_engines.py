@@ -364,33 +364,44 @@ def test_a_layer_unfrozen_at_an_epoch_start_trains_on_the_compiled_engine_as_und
 
 
 @pytest.mark.parametrize(
-    "engine, log_grad_norms, runs",
-    [("compiled", False, "compiled"), ("compiled", True, "compiled"),
-     ("cudagraph", False, "cudagraph"), ("cudagraph", True, "cudagraph")],
+    "engine, variant, runs",
+    [("compiled", "plain", "compiled"), ("compiled", "logs-norms", "compiled"),
+     ("cudagraph", "plain", "cudagraph"), ("cudagraph", "logs-norms", "cudagraph"),
+     ("compiled", "clears-to-none", "compiled"), ("cudagraph", "clears-to-none", "cudagraph")],
 )
-def test_a_tied_causal_lm_on_dict_batches_trains_as_under_lightning(monkeypatch, engine, log_grad_norms, runs):
+def test_a_tied_causal_lm_on_dict_batches_trains_as_under_lightning(monkeypatch, engine, variant, runs):
     """The compiled and graphed paths on a module shaped like users' (dict batches, final norm,
     head tied to the embedding, norm clipping, a per-step schedule), with and without the hooks
-    that log gradient norms (after the backward, before the update): Lightning's weights and
-    logged values, and nothing compiled after the first epoch."""
+    that log gradient norms (after the backward, before the update), and with its own
+    optimizer_zero_grad setting the gradients to None at each window's start (accumulating 2):
+    Lightning's weights and logged values, and nothing compiled after the first epoch."""
     from fasttrain.engine import ENGINES
     from test_engine_graph_logic import AOT
     from test_lightning_graphed import ReplaysRunNoPython
 
     from lightning_modules import TiedCausalLM, TiedCausalLMLoggingNorms, TokenDicts
 
+    class TiedCausalLMClearingToNone(TiedCausalLM):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            optimizer.zero_grad(set_to_none=True)
+
+    module_cls = {"plain": TiedCausalLM, "logs-norms": TiedCausalLMLoggingNorms,
+                  "clears-to-none": TiedCausalLMClearingToNone}[variant]
+    accumulate = 2 if variant == "clears-to-none" else 1
     monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
     graphs = _GraphCount()
     lt, lm, ft, fm = fit_both(
-        TiedCausalLMLoggingNorms if log_grad_norms else TiedCausalLM, lambda: loader(TokenDicts(), batch_size=8, shuffle=True),
-        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5),
+        module_cls, lambda: loader(TokenDicts(), batch_size=8, shuffle=True),
+        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5, accumulate_grad_batches=accumulate),
         fasttrain_kwargs=dict(engine=engine, compile_options=AOT, callbacks=[graphs]),
     )
     assert ft.engine == runs
     assert fm.head.weight is fm.emb.weight  # still tied
     assert graphs.per_epoch[1] == graphs.per_epoch[2], graphs.per_epoch
-    assert ft.global_step == lt.global_step == 15
-    assert ("grad_2.0_norm/emb.weight" in lt.logged_metrics) == log_grad_norms
+    assert ft.global_step == lt.global_step == (15 if accumulate == 1 else 9)
+    assert ("grad_2.0_norm/emb.weight" in lt.logged_metrics) == (variant == "logs-norms")
+    if runs == "cudagraph":
+        assert set(ft._runner._engine._train_graphs) == ({True} if accumulate == 1 else {False, True})
     assert_same_weights(lm, fm, atol=1e-5)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
