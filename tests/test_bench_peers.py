@@ -101,14 +101,16 @@ def test_a_lightning_that_fails_to_import_is_unavailable_with_the_reason(broken_
 
 
 def test_the_benchmark_runs_on_without_the_lightning_peers(broken_lightning):
-    # enough steps that the long run's extra steps outlast the noise of a busy machine: a repeat
-    # whose difference is not positive is dropped as invalid, and 2 steps were sometimes that
+    # the bare loop's repeat ran: timed, or dropped as invalid where the long run's extra steps
+    # did not outlast the noise of a busy machine (a difference that is not positive), which even
+    # 40 steps sometimes did not
     result = run_benchmark(
         _workload(), ["bare", "lightning", "fasttrain-lightning"], steps=40, warmup=1, repeats=1,
         progress=False, count_syncs=False, gpu_metrics=False,
     )
     by_name = {p.name: p for p in result.peers}
-    assert by_name["bare"].status == "ok" and by_name["bare"].step_times
+    assert by_name["bare"].status == "ok"
+    assert len(by_name["bare"].step_times) + by_name["bare"].invalid_repeats == 1
     for name in ("lightning", "fasttrain-lightning"):
         assert by_name[name].status == "unavailable"
         assert by_name[name].reason == "lightning fails to import: RuntimeError: built for another torch"

@@ -265,6 +265,47 @@ def test_a_module_clearing_gradients_to_none_itself_is_captured_on_cuda_as_under
     assert_same_weights(lm.cpu(), fm.cpu(), atol=1e-5)
 
 
+class ReadsGradientsAtBatchEdges(L.Callback):
+    """Records, into the module's ``seen``, the gradients at each batch's start and end."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        module.seen.append(("start", batch_idx, [None if p.grad is None else p.grad.clone() for p in module.parameters()]))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        module.seen.append(("end", batch_idx, [None if p.grad is None else p.grad.clone() for p in module.parameters()]))
+
+
+class SeesGradientsAtBatchEdges(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def configure_callbacks(self):
+        return [ReadsGradientsAtBatchEdges()]
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled", "cudagraph"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_callback_reading_gradients_between_batches_sees_lightnings(monkeypatch, engine, accumulate):
+    """Lightning clears the gradients at a window's first batch, between training_step and the
+    backward: a callback sees the last backward's gradients at a batch's end and at the next
+    batch's start, not None or zeros. fasttrain.lightning clears them at the same place, on
+    every engine (the graphed one before the step, in place)."""
+    from fasttrain.engine import ENGINES
+    from test_engine_graph_logic import AOT
+    from test_lightning_graphed import ReplaysRunNoPython, _assert_same_sightings
+
+    monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
+    lt, lm, ft, fm = fit_both(
+        SeesGradientsAtBatchEdges, train_loader, trainer_kwargs=dict(max_epochs=2, accumulate_grad_batches=accumulate),
+        fasttrain_kwargs=dict(engine=engine, compile_options=AOT),
+    )
+    assert ft.engine == engine
+    assert len(fm.seen) == len(lm.seen) == 24
+    _assert_same_sightings(lm.seen, fm.seen)
+    assert_same_weights(lm, fm, atol=1e-5)
+
+
 class HalvesEveryStep(Classifier):
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)

@@ -221,7 +221,7 @@ def run_fit(lt, runner) -> None:
             window_start = runner.window_start = batch_idx % k == 0
             if batch is None or module.automatic_optimization:
                 if batch is None:  # no step, no update (see skipped_steps.py)
-                    outputs = skip_none_batch(lt, runner, update)
+                    outputs = skip_none_batch(lt)
                 else:
                     if update:
                         step_total.ready += 1

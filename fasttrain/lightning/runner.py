@@ -255,17 +255,20 @@ class ModuleRunner(FasttrainTrainer):
 
     def backward_step(self, loss):
         lt = self.lt
-        if self.window_start and lt._own_zero_grad and not self._zeroed_ahead:
+        if self.window_start and not self._zeroed_ahead:
             self.zero_grad_at_window_start()
         if lt._plain_backward_hooks:
             FasttrainTrainer.backward_step(self, loss)  # super() without building a super object per step
         else:
             self._strategy_backward(loss, lt.optimizers[0])
 
-    def zero_grad_at_window_start(self) -> None:
-        """Lightning clears gradients before the first backward of a window, through the
-        module's and callbacks' zero-grad hooks when they override them (else fasttrain's step
-        has cleared them after the last update)."""
+    def zero_grad_at_window_start(self, in_place: bool = False) -> None:
+        """Lightning clears gradients before the first backward of a window, after its training
+        step (never after an update: until then a callback sees the last backward's gradients):
+        through the module's and callbacks' zero-grad hooks when they override them, else as
+        LightningModule's ``optimizer_zero_grad`` does, to None. ``in_place``: to zeros instead,
+        for the graphed engine, whose graphs accumulate into the tensors they were captured with
+        (before its step, where nothing but the step's own code sees them before the backward)."""
         lt = self.lt
         if lt._own_zero_grad:
             optimizer = lt.optimizers[0]
@@ -275,6 +278,13 @@ class ModuleRunner(FasttrainTrainer):
             counts.increment_started()
             lt._hooks.module_hook("optimizer_zero_grad", lt.current_epoch, self.batch_idx, optimizer)
             counts.increment_completed()
+        elif in_place:
+            grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                with torch.no_grad():
+                    torch._foreach_zero_(grads)
+        else:
+            FasttrainTrainer.optimizer_zero_grad(self)
 
     def closure_step(self, batch) -> dict:
         """A stepping batch when the module overrides ``optimizer_step`` or the optimizer's step
@@ -282,17 +292,14 @@ class ModuleRunner(FasttrainTrainer):
         training step and backward. Runs eagerly."""
         lt = self.lt
         result = {}
-        # an optimizer may evaluate the closure several times: each evaluation starts a window
-        # from zero gradients, as Lightning's closure clears them before each backward (the
-        # module's own zero-grad hooks, when it has them, do so in backward_step)
+        # an optimizer may evaluate the closure several times: each evaluation of a window's
+        # first batch clears the gradients after its training step, as Lightning's closure does
+        # (backward_step, or below without a loss); the loop does not count these clearings
         clear = self.window_start and not lt._own_zero_grad
-        optimizer = lt.optimizers[0]
         counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
 
         @torch.enable_grad()  # as Lightning's closure: an optimizer may step under no_grad
         def closure():
-            if clear:
-                optimizer.zero_grad()
             try:
                 batch_output = self.calculate_train_batch_loss(batch)
             except StepReturnedNone:
@@ -319,7 +326,6 @@ class ModuleRunner(FasttrainTrainer):
                 " `optimizer_step` hook? It could also happen because the `optimizer.step(optimizer_closure)`"
                 " call did not execute it internally."
             )
-        self.optimizer_zero_grad()
         return result["output"]
 
     def _clip_for_update(self):
@@ -336,20 +342,12 @@ class ModuleRunner(FasttrainTrainer):
         return LoggedCalls(self.lt)
 
     def _zero_grad_before_step(self):
-        # the graphed engine runs the module's and callbacks' zero-grad hooks before its step
-        return _ZeroGradAhead(self) if self.lt._own_zero_grad else None
+        # the graphed engine clears the gradients (or runs the zero-grad hooks) before its step
+        return _ZeroGradAhead(self)
 
     def _compile_owner(self):
         # a runner lives for one fit(); the module outlives it
         return self.lt.lightning_module
-
-    def _overridden_step_hooks(self, base) -> frozenset:
-        hooks = super()._overridden_step_hooks(base)
-        if not self.lt._own_zero_grad:
-            # the module zeroes as LightningModule does: this hook is the default's (see
-            # optimizer_zero_grad), so the graphed engine may zero the gradients in place
-            hooks = hooks - {"optimizer_zero_grad"}
-        return hooks
 
     def _clip_gradients(self):
         lt = self.lt
@@ -369,8 +367,9 @@ class ModuleRunner(FasttrainTrainer):
         return guard.clip(self._clipper)
 
     def optimizer_zero_grad(self):
-        if not self.lt._own_zero_grad:
-            FasttrainTrainer.optimizer_zero_grad(self)
+        # nothing after an update: Lightning clears the gradients at the next window's start
+        # (zero_grad_at_window_start), and the engines' graphs and compiled code hold no zeroing
+        return None
 
     def calculate_eval_batch_loss(self, batch) -> dict:
         lt = self.lt
@@ -382,17 +381,19 @@ class ModuleRunner(FasttrainTrainer):
 
 
 class _ZeroGradAhead:
-    """StepContext.zero_grad_before_step of a fit that clears gradients through its own hooks.
+    """StepContext.zero_grad_before_step of a fit: where the gradients are cleared.
 
-    Lightning runs them at a window's first micro-step between the training step and the
-    backward; a CUDA graph replays neither their Python nor what they do to ``.grad`` (a
-    gradient set to None is not an operation). Around each step of the graphed engine (warm-up,
-    capture, replay) they run first, eagerly, every window as under Lightning, and the step's
-    backward leaves them out. Whatever they leave is what the step accumulates into: gradients
-    they set to None get their captured tensors back, zeroed, before a replay (the replay guard),
-    which gives the new gradients as a fresh backward would. What moves is only their place
-    relative to the training step, whose own Python a replay does not run anyway. Re-entered by
-    a step that is undone and run again (a failed capture), the hooks run once."""
+    Lightning clears them at a window's first batch between the training step and the backward,
+    through the zero-grad hooks (the module's ``optimizer_zero_grad``, a callback's
+    ``on_before_zero_grad``); a CUDA graph replays neither the hooks' Python nor what they do to
+    ``.grad`` (a gradient set to None is not an operation). Around each step of the graphed engine
+    (warm-up, capture, replay) the clearing comes first, eagerly, every window as under Lightning,
+    and the step's backward leaves it out: LightningModule's default clears in place (one foreach
+    zero: the tensors the graphs accumulate into stay bound), a user's hooks run as written, and
+    gradients they set to None get their captured tensors back, zeroed, before a replay (the
+    replay guard), which gives the new gradients as a fresh backward would. Only the place
+    relative to the training step moves, whose own Python a replay does not run anyway.
+    Re-entered by a step that is undone and run again (a failed capture), it clears once."""
 
     __slots__ = ("runner",)
 
@@ -405,7 +406,7 @@ class _ZeroGradAhead:
     def __enter__(self) -> None:
         runner = self.runner
         if not runner._zeroed_ahead and runner.window_start:
-            runner.zero_grad_at_window_start()
+            runner.zero_grad_at_window_start(in_place=True)
         runner._zeroed_ahead += 1
 
     def __exit__(self, *exc) -> None:

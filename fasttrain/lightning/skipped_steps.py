@@ -95,23 +95,20 @@ def skip_step(lt, runner, update: bool, batch_idx: int) -> None:
     scaler = runner._accelerator.scaler
     if scaler is not None:
         # Lightning's fp16 plugin steps nothing after a closure without a loss (the scaler has no
-        # gradients to check): the hooks run, the window's gradients are dropped
+        # gradients to check): the hooks run, the optimizer does not step
         if lt._before_step_hooks:
             lt._hooks("on_before_optimizer_step", lt.optimizers[0])
-        runner.optimizer_zero_grad()
         return None
     runner._step_context.clip()
     runner.optimizer_step()
-    runner.optimizer_zero_grad()
     return None
 
 
-def skip_none_batch(lt, runner, update: bool) -> None:
-    """A ``None`` batch: Lightning's warning (once per trainer); on a stepping batch, the
-    window's gradients are dropped, as Lightning's zeroing at the next window's start does."""
+def skip_none_batch(lt) -> None:
+    """A ``None`` batch: Lightning's warning (once per trainer), and nothing else: no step, no
+    update, and no clearing of the gradients (Lightning clears them in the closure of a window's
+    first batch, which a None batch does not run, so that window adds to the last update's)."""
     if _NONE_BATCH_WARNING not in lt._said:
         lt._said.add(_NONE_BATCH_WARNING)
         rank_zero_warn(_NONE_BATCH_WARNING)
-    if update and not lt._own_zero_grad:
-        runner.optimizer_zero_grad()
     return None
