@@ -103,14 +103,15 @@ def _none_batches(positions, per_epoch=6):
 
 @pytest.mark.parametrize("accumulate, positions", [(1, (1, 4)), (2, (0, 3)), (3, (1, 5))])
 def test_none_batches_advance_the_loop_counters_like_lightning(accumulate, positions):
-    # a None batch opening a window is recorded too: the counters agree, the weights do not
-    # (docs/lightning.md), so only the counters are compared
-    out, _ = _record(Classifier, lambda: DataLoader(DATA, batch_size=8, collate_fn=_none_batches(positions)),
+    # a None batch opening a window too: it leaves the last update's gradients to the window's
+    # update, as Lightning's closure does, so the weights agree as well as the counters
+    out, modules = _record(Classifier, lambda: DataLoader(DATA, batch_size=8, collate_fn=_none_batches(positions)),
                      lambda: loader(VAL, batch_size=5), hooks=OUTER_HOOKS + STEP_HOOKS,
                      accumulate_grad_batches=accumulate)
     batches = out["fasttrain"][-1][1]["batch_progress"]["total"]
     # a None batch is ready, processed and completed, never started
     assert (batches["ready"], batches["started"], batches["completed"]) == (12, 12 - 2 * len(positions), 12)
+    assert_same_weights(modules["lightning"], modules["fasttrain"])
 
 
 class Multi(Classifier):
