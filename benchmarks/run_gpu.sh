@@ -257,7 +257,9 @@ step_command() {
         pytest-gpu)
             # every test module is collected (-m filters afterwards); one whose package is
             # missing here is skipped by its importorskip, never a collection error
-            # the JUnit report keeps each failure's whole message for the result file
+            # the JUnit report keeps each failure's whole message for the result file; the TERM
+            # of the step's limit ends pytest as Ctrl-C does (tests/term_as_interrupt.py), so the
+            # summary and the report keep the tests that ran before it
             CMD=("$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml "$folder/junit.xml" tests) ;;
         check-*)
             CMD=("$PY" benchmarks/gpu_check.py --device "$DEVICE" --workloads "${name#check-}"

@@ -10,6 +10,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    # a time limit's TERM ends the run as Ctrl-C does, with its summary and JUnit report
+    from term_as_interrupt import interrupt_on_term
+
+    interrupt_on_term()
+
+
 # The Tensor methods that read a device value on the host (a synchronisation on CUDA).
 SYNC_METHODS = ("item", "tolist", "__float__", "__bool__", "cpu", "__int__", "numpy", "__index__")
 
