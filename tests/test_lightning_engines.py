@@ -285,23 +285,31 @@ class SeesGradientsAtBatchEdges(Classifier):
 
 
 @pytest.mark.parametrize("engine", ["eager", "compiled", "cudagraph"])
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_callback_reading_gradients_between_batches_sees_lightnings(monkeypatch, engine, accumulate):
+@pytest.mark.parametrize("accumulate, validates", [(1, False), (2, False), (2, True)],
+                         ids=["1", "2", "2-validating-mid-epoch"])
+def test_a_callback_reading_gradients_between_batches_sees_lightnings(monkeypatch, engine, accumulate, validates):
     """Lightning clears the gradients at a window's first batch, between training_step and the
     backward: a callback sees the last backward's gradients at a batch's end and at the next
-    batch's start, not None or zeros. fasttrain.lightning clears them at the same place, on
-    every engine (the graphed one before the step, in place)."""
+    batch's start, not None or zeros (and None after a validation, which releases them).
+    fasttrain.lightning clears them at the same place, on every engine (the graphed one before
+    the step, in place)."""
     from fasttrain.engine import ENGINES
     from test_engine_graph_logic import AOT
     from test_lightning_graphed import ReplaysRunNoPython, _assert_same_sightings
 
     monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
+    extra = dict(val_check_interval=0.5) if validates else {}
     lt, lm, ft, fm = fit_both(
-        SeesGradientsAtBatchEdges, train_loader, trainer_kwargs=dict(max_epochs=2, accumulate_grad_batches=accumulate),
+        SeesGradientsAtBatchEdges, train_loader, val_loader if validates else None,
+        trainer_kwargs=dict(max_epochs=2, accumulate_grad_batches=accumulate, **extra),
         fasttrain_kwargs=dict(engine=engine, compile_options=AOT),
     )
     assert ft.engine == engine
     assert len(fm.seen) == len(lm.seen) == 24
+    # after the first batch, None only where a validation released the gradients: the one at
+    # the first epoch's end (Lightning keeps them through the one in the middle of a window)
+    released = [(name, i) for name, i, grads in lm.seen[1:] if all(g is None for g in grads)]
+    assert released == ([("start", 0)] if validates else []), released
     _assert_same_sightings(lm.seen, fm.seen)
     assert_same_weights(lm, fm, atol=1e-5)
 
