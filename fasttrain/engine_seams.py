@@ -2,8 +2,8 @@
 
 Each method gives one field of the step context (:func:`fasttrain.prepare.step_context`,
 engine/context.py) from the trainer's state: which hooks it overrides, where in its epoch the
-step about to run is, the Python side effects a graph replay must redo, the zero-grad hooks to
-run before a graphed step, what the compiled functions are kept with. The defaults are the
+step about to run is, the Python side effects a graph replay must redo, the clearing of the
+gradients to run before a graphed step, what the compiled functions are kept with. The defaults are the
 Trainer's; fasttrain.lightning's runner (lightning/runner.py) overrides them with what a
 LightningModule's hooks need.
 """
@@ -37,5 +37,5 @@ class EngineSeams:
 
     def _zero_grad_before_step(self):
         """StepContext.zero_grad_before_step: None, gradients are cleared after each update here
-        (the Lightning runner's hooks clear them at a window's start)."""
+        (the Lightning runner clears them at a window's start, where Lightning does)."""
         return None

@@ -131,6 +131,8 @@ def _host_reads_raise():
 
 class HostGraphEngine(CudaGraphEngine):
     graphs = []
+    #: set while a training step is captured: its graph checks the gradient tensors at each replay
+    _capturing_training = False
     #: calls of the allocator's empty_cache the engine made, and memory pools it started
     memory_returns = 0
     new_pools = 0
@@ -159,7 +161,7 @@ class HostGraphEngine(CudaGraphEngine):
         self._pool = HostGraphEngine.new_pools
 
     def _capture_and_replay(self, *args, **kwargs):
-        self._capturing_training, before = True, getattr(self, "_capturing_training", False)
+        self._capturing_training, before = True, self._capturing_training
         try:
             return super()._capture_and_replay(*args, **kwargs)
         finally:
@@ -171,7 +173,7 @@ class HostGraphEngine(CudaGraphEngine):
         extra = [t for r in rings for t in (r.losses.buffer, r.aux)] + list(self.ctx.mutated_flags())
         snapshot = StepSnapshot(trainer.model, inner_optimizer(trainer.optimizer), extra=extra)
         grads = ()
-        if getattr(self, "_capturing_training", False):
+        if self._capturing_training:
             grads = tuple((p, p.grad) for p in trainer.model.parameters() if p.grad is not None)
         # a capture draws no random numbers from the generator (a replay advances it by what the
         # graph draws, where the step run eagerly would): dropout in the replays sees eager's stream

@@ -18,7 +18,7 @@ import torch._dynamo  # noqa: E402
 
 from fasttrain.engine.compile_events import compiles_so_far  # noqa: E402
 from fasttrain.lightning import Trainer  # noqa: E402
-from test_lightning_graphed import LogsAMetric  # noqa: E402
+from test_lightning_graphed import LogsAMetric, _gradients  # noqa: E402
 from lightning_modules import (  # noqa: E402
     QUIET,
     Classifier,
@@ -269,10 +269,10 @@ class ReadsGradientsAtBatchEdges(L.Callback):
     """Records, into the module's ``seen``, the gradients at each batch's start and end."""
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        module.seen.append(("start", batch_idx, [None if p.grad is None else p.grad.clone() for p in module.parameters()]))
+        module.seen.append(("start", batch_idx, _gradients(module)))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        module.seen.append(("end", batch_idx, [None if p.grad is None else p.grad.clone() for p in module.parameters()]))
+        module.seen.append(("end", batch_idx, _gradients(module)))
 
 
 class SeesGradientsAtBatchEdges(Classifier):

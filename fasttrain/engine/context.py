@@ -95,12 +95,12 @@ class StepContext:
         capture: builds what the capture cannot (the clipping kernels' chunk tables).
     :param host_effects: the step's Python side effects that a graph replay must redo
         (:class:`HostEffects`).
-    :param zero_grad_before_step: ``() -> context`` entered around each training step of the
-        graphed engine, or None. fasttrain.lightning clears gradients through the user's hooks
-        (the module's ``optimizer_zero_grad``, a callback's ``on_before_zero_grad``) at the first
-        micro-step of each accumulation window, between the forward and the backward, as Lightning
-        does; a graph records no Python, so inside this context they run before the step,
-        eagerly, and the step's backward leaves them out.
+    :param zero_grad_before_step: a re-entrant context entered around each training step of the
+        graphed engine, or None. fasttrain.lightning clears gradients at the first micro-step of
+        each accumulation window, between the forward and the backward, as Lightning does (through
+        the user's zero-grad hooks where they override them); a graph records no Python, so on
+        entering this context the clearing runs before the step, eagerly, and the step's backward
+        leaves it out.
     :param compile_owner: what the compiled functions are kept with, so that later runs reuse
         them (None: the trainer). fasttrain.lightning builds a trainer per ``fit()``; its
         compiled steps are kept with the LightningModule, so that another ``fit()`` of the same
@@ -123,7 +123,7 @@ class StepContext:
     keeps_model_outputs: Callable[[str], bool] = lambda phase: True
     before_update_capture: Callable[[], None] = lambda: None
     host_effects: HostEffects = NO_HOST_EFFECTS
-    zero_grad_before_step: Optional[Callable[[], ContextManager]] = None
+    zero_grad_before_step: Optional[ContextManager] = None
     compile_owner: Any = None
 
     def overrides(self, hook: str) -> bool:

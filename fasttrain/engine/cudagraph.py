@@ -215,7 +215,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         ahead = self.ctx.zero_grad_before_step
         if ahead is None:
             return self._graphed_train_step(batch, update)
-        with ahead():  # the trainer's zero-grad hooks, before the step (context.py)
+        with ahead:  # the trainer's clearing of the gradients, before the step (context.py)
             return self._graphed_train_step(batch, update)
 
     def _graphed_train_step(self, batch, update: bool) -> dict:

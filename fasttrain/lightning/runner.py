@@ -295,7 +295,7 @@ class ModuleRunner(FasttrainTrainer):
         # an optimizer may evaluate the closure several times: each evaluation of a window's
         # first batch clears the gradients after its training step, as Lightning's closure does
         # (backward_step, or below without a loss); the loop does not count these clearings
-        clear = self.window_start and not lt._own_zero_grad
+        count_clearing = self.window_start and not lt._own_zero_grad
         counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
 
         @torch.enable_grad()  # as Lightning's closure: an optimizer may step under no_grad
@@ -304,7 +304,7 @@ class ModuleRunner(FasttrainTrainer):
                 batch_output = self.calculate_train_batch_loss(batch)
             except StepReturnedNone:
                 batch_output = None
-            if clear:
+            if count_clearing:
                 counts.increment_by(1)  # Lightning counts its zero_grad after the training step
             if batch_output is None:
                 # as Lightning's closure: no backward, the optimizer steps on what it has
@@ -399,9 +399,6 @@ class _ZeroGradAhead:
 
     def __init__(self, runner: ModuleRunner):
         self.runner = runner
-
-    def __call__(self) -> "_ZeroGradAhead":
-        return self
 
     def __enter__(self) -> None:
         runner = self.runner
