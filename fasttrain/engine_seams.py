@@ -21,6 +21,22 @@ class EngineSeams:
         engine zeroes gradients itself where ``optimizer_zero_grad`` is the default)."""
         return overridden_hooks(self, base)
 
+    def _unchecked_step_python(self, base) -> tuple:
+        """Why a training step could not be captured in a CUDA graph, for Python of the user's
+        that the step runs uncompiled inside the capture (StepContext.capture_blockers). A graph
+        replays the kernels its capture recorded; the compiled hooks' Python is checked before
+        each replay with dynamo's guards, but an overridden ``backward_step`` runs eagerly around
+        ``loss.backward()``, which dynamo does not trace: a number or a branch it reads (the epoch,
+        a scale a callback sets) would be replayed as the capture saw it, with no error."""
+        if "backward_step" in overridden_hooks(self, base):
+            return (
+                "the trainer's own backward_step runs Python inside the captured step that no replay "
+                "would run again (a number or branch it reads would stay as at the capture); scale the "
+                "loss in calculate_train_batch_loss instead, whose Python is compiled and checked before "
+                "each replay",
+            )
+        return ()
+
     def _compile_owner(self):
         """What the engines' compiled functions are kept with (StepContext.compile_owner)."""
         return self

@@ -178,6 +178,7 @@ def step_context(trainer, base: type) -> StepContext:
     blockers = ()
     if not trainer._plain_backward or trainer._wrapped_optimizer_needed:
         blockers = ("fp16 loss scaling and DeepSpeed check the gradients on the host every step",)
+    blockers += trainer._unchecked_step_python(base)
     distributed = config is not None and config.is_distributed
 
     def train_batches():

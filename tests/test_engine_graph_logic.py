@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 from torch._dynamo.utils import counters, orig_code_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fasttrain import Trainer
 from fasttrain.engine import ENGINES
@@ -53,10 +54,13 @@ class HostGraph:
     the variants it compiled before, and the stand-in says so rather than replaying what a device
     would not."""
 
-    def __init__(self, body, compiled_code, grads=()):
+    def __init__(self, body, compiled_code, grads=(), operations=None):
         self._body = body
         #: the compiled code objects the capture ran, in order (see _compiled_code_run)
         self.compiled_code = compiled_code
+        #: the operations the capture issued, with their Python arguments (see _OperationsIssued);
+        #: None: not checked
+        self.operations = operations
         #: ``(parameter, gradient tensor)`` a training step's capture accumulated into
         self.captured_grads = grads
         self.replays = 0
@@ -71,8 +75,10 @@ class HostGraph:
                     "not see it (no error on a device)"
                 )
         before = compiles_so_far()
+        issued = _OperationsIssued()
         try:
-            ran = _compiled_code_run(self._body)[1]
+            with issued:
+                ran = _compiled_code_run(self._body)[1]
         finally:
             if compiles_so_far() != before:
                 raise StaleReplay(
@@ -84,6 +90,13 @@ class HostGraph:
                 "a replay ran other compiled code than its capture (another variant dynamo compiled "
                 "for other Python values): a CUDA graph would replay the captured one (no error on "
                 "a device)"
+            )
+        if self.operations is not None and issued.operations != self.operations:
+            raise StaleReplay(
+                "a replay's Python issued other operations than its capture did (a branch or a number "
+                "in eager code that changed since, first difference: "
+                f"{_first_difference(self.operations, issued.operations)}): a CUDA graph would replay the "
+                "captured ones (no error on a device)"
             )
 
 
@@ -102,6 +115,54 @@ def _compiled_code_run(body):
     finally:
         sys.setprofile(previous)
     return result, ran
+
+
+def _argument(value):
+    # what an operation's argument decides about the kernel a graph records: a tensor by its
+    # kind (each step makes new ones), a Python value (a scale, a flag, a shape) by value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return tuple(_argument(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _argument(v)) for k, v in value.items())
+    if isinstance(value, _NUMBERS_AND_SETTINGS):
+        return value
+    return type(value).__name__  # a function or graph a higher-order operator runs, an opaque object
+
+
+_NUMBERS_AND_SETTINGS = (int, float, complex, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                         torch.memory_format)
+
+
+class _OperationsIssued(TorchDispatchMode):
+    """The aten operations run while it is active, each with its Python arguments: what a CUDA
+    graph's capture records, the kernels and the numbers their launches were given."""
+
+    # custom ops that mutate (the fused kernels) reach it as auto_functionalized calls
+    supports_higher_order_operators = True
+
+    def __init__(self):
+        super().__init__()
+        self.operations = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # dynamo compiles and runs compiled code while it is active (it skips the frames under
+        # any other mode) and runs its own compiling without it
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.operations.append((func, _argument(args), tuple((k, _argument(v)) for k, v in sorted(kwargs.items()))))
+        return func(*args, **kwargs)
+
+
+def _first_difference(captured: list, replayed: list) -> str:
+    for i, (a, b) in enumerate(zip(captured, replayed)):
+        if a != b:
+            return f"operation {i}: captured {a}, now {b}"
+    return f"captured {len(captured)} operations, now {len(replayed)}"
 
 
 class StaleReplay(AssertionError):
@@ -178,13 +239,14 @@ class HostGraphEngine(CudaGraphEngine):
         # a capture draws no random numbers from the generator (a replay advances it by what the
         # graph draws, where the step run eagerly would): dropout in the replays sees eager's stream
         rng = torch.get_rng_state()
+        issued = _OperationsIssued()
         try:
-            with _host_reads_raise():
+            with _host_reads_raise(), issued:
                 outputs, compiled_code = _compiled_code_run(body)
         finally:
             snapshot.restore()  # a capture records the step without running it, even one that fails
             torch.set_rng_state(rng)
-        graph = HostGraph(body, compiled_code, grads)
+        graph = HostGraph(body, compiled_code, grads, issued.operations)
         HostGraphEngine.graphs.append(graph)
         return graph, outputs
 
@@ -382,3 +444,46 @@ def test_freezing_a_layer_at_an_epoch_start_recaptures():
     first = results["cudagraph"].trainer.get_model().net[0]
     assert all(p.grad is None for p in first.parameters())  # skipped by AdamW, as in eager
     assert_runs_match(results["eager"], results["cudagraph"])
+
+
+class ScalesTheLossFromTheThirdEpoch(Trainer):
+    """A backward_step override whose Python reads the epoch: eager code around the backward."""
+
+    def backward_step(self, loss):
+        scale = 1.0 if self.run_history.current_epoch < 3 else 0.5
+        super().backward_step(loss * scale)
+
+
+def test_the_stand_in_replay_refuses_what_eager_python_now_issues_otherwise():
+    # a real graph replays the kernels of its capture, with the numbers their launches got: a
+    # replay whose Python would now launch another kernel, or the same one with another number,
+    # is one the device would get wrong without an error
+    x = torch.ones(3)
+    scale = [1.0]
+
+    def body():
+        return x * scale[0]
+
+    captured = _OperationsIssued()
+    with captured:
+        body()
+    graph = HostGraph(body, [], (), captured.operations)
+    graph.replay()
+    scale[0] = 0.5
+    with pytest.raises(StaleReplay, match="issued other operations than its capture"):
+        graph.replay()
+
+
+def test_a_backward_step_override_keeps_the_graphed_engine_at_setup():
+    # its Python runs uncompiled inside the captured step: the third epoch's scale would replay
+    # as the second epoch's capture saw it (the stand-in's replay refused that before)
+    case = mlp_case(ScalesTheLossFromTheThirdEpoch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", eval_dataset=None)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    messages = fasttrain_warnings(caught)
+    assert len(messages) == 1 and "the trainer's own backward_step" in messages[0], messages
+    assert "'compiled'" in messages[0] and "calculate_train_batch_loss" in messages[0]
+    assert graphed.trainer.active_engine == "compiled" and HostGraphEngine.graphs == []
+    assert_runs_match(eager, graphed)

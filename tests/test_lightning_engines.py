@@ -225,8 +225,9 @@ def test_cudagraph_engine_on_cuda_matches_lightning():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_lightning(exact_cuda):
     """The CPU test above with real graphs: dict batches, a final norm, tied weights, norm
-    clipping, and the gradient norms logged in on_after_backward (eagerly, during the capture) and
-    in on_before_optimizer_step (compiled with the update), filed after each replay
+    clipping, and the gradient norms logged in on_after_backward (compiled, its guards checked
+    before each replay: graphed_hooks.py) and in on_before_optimizer_step (compiled with the
+    update), filed after each replay
     (aot_eager: what is checked is the capture and the replays, not Inductor's kernels, and it
     keeps the device run's test step short)."""
     from lightning_modules import TiedCausalLMLoggingNorms, TokenDicts

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 
 from fasttrain.engine import ENGINES  # noqa: E402
 from fasttrain.lightning import Trainer  # noqa: E402
@@ -57,11 +58,12 @@ class ReplaysRunNoPython(HostGraphEngine):
             finally:
                 for store in stores:
                     store.recording = False
-            for store, length, calls in zip(stores, lengths, captured):
-                for call, template in zip(store.pending[length:], calls):
-                    if isinstance(template[2], torch.Tensor):  # a logged number is a constant of the capture
-                        template[2].copy_(call[2])  # the value, into the captured value's memory
-                del store.pending[length:]
+            with _disable_current_modes():  # the stand-in's own copies are no kernels of the step
+                for store, length, calls in zip(stores, lengths, captured):
+                    for call, template in zip(store.pending[length:], calls):
+                        if isinstance(template[2], torch.Tensor):  # a logged number is a constant of the capture
+                            template[2].copy_(call[2])  # the value, into the captured value's memory
+                    del store.pending[length:]
 
         graph._body = kernels_only
         return graph, outputs
@@ -242,12 +244,56 @@ class LogsAroundTheBackward(Classifier):
 
 
 class GradientNormsAfterBackward(Classifier):
-    """Lightning's grad_norm after the backward: eagerly, it builds the total norm on the host."""
+    """Lightning's grad_norm after the backward: eagerly, it builds the total norm on the host;
+    traced by dynamo, on the device."""
 
     def on_after_backward(self):
         from lightning.pytorch.utilities import grad_norm
 
         self.log_dict(grad_norm(self.net, norm_type=2))
+
+
+class ReadsTheHostAfterBackward(Classifier):
+    """Logs a gradient norm read on the host: dynamo cannot trace it into one graph."""
+
+    def on_after_backward(self):
+        self.log("norm_on_the_host", self.net[0].weight.grad.norm().item())
+
+
+class BreaksTheGraphAfterBackward(Classifier):
+    """Python dynamo does not trace (here, an explicit graph break), with no host read."""
+
+    def on_after_backward(self):
+        torch._dynamo.graph_break()
+        self.log("norm_after_a_break", self.net[0].weight.grad.norm())
+
+
+class BranchesOnTheStepAfterBackward(Classifier):
+    """Logs the first layer's gradient norm under one of two names, by the parity of the step
+    (Lightning's own example of the hook logs every 25 steps this way): Python a replay skips."""
+
+    def on_after_backward(self):
+        norm = self.net[0].weight.grad.norm()
+        if self.global_step % 2 == 0:
+            self.log("even_step_norm", norm, on_step=True, on_epoch=False)
+        else:
+            self.log("odd_step_norm", norm * 2, on_step=True, on_epoch=False)
+
+
+class HalvesTheGradientsFromTheSecondEpoch(Classifier):
+    """Scales the gradients by a number read from the epoch, which changes once."""
+
+    def on_after_backward(self):
+        scale = 1.0 if self.current_epoch == 0 else 0.5
+        for p in self.parameters():
+            p.grad.mul_(scale)
+
+
+class ScalesTheLossBeforeTheBackwardByTheEpoch(Classifier):
+    """Logs the loss scaled by the epoch (a number in on_before_backward's Python)."""
+
+    def on_before_backward(self, loss):
+        self.log("scaled_loss", loss * (self.current_epoch + 1), on_step=True, on_epoch=True)
 
 
 class ReadsGradientsAfterBackward(L.Callback):
@@ -258,16 +304,27 @@ class ReadsGradientsAfterBackward(L.Callback):
         self.norms.append(sum(p.grad.norm() for p in module.parameters()))
 
 
-@pytest.mark.parametrize("module_cls, callbacks, runs", [
-    (LogsAroundTheBackward, (), "cudagraph"),
-    (GradientNormsAfterBackward, (), "compiled"),
-    (Classifier, (ReadsGradientsAfterBackward,), "compiled"),
-], ids=["module-logs", "module-reads-the-host", "callback"])
-def test_the_modules_own_backward_hooks_are_captured_with_the_step(graphed_engine, module_cls, callbacks, runs):
-    """The module's on_before_backward and on_after_backward run eagerly inside a capture: their
-    self.log calls are recorded and filed again after each replay, with accumulation too. One that
-    reads a device value on the host refuses the capture (the step runs compiled); a callback's
-    backward hook, whose state nothing watches, moves the fit to the compiled engine at the start."""
+@pytest.mark.parametrize("module_cls, callbacks, runs, warned", [
+    (LogsAroundTheBackward, (), "cudagraph", None),
+    (GradientNormsAfterBackward, (), "cudagraph", None),
+    (HalvesTheGradientsFromTheSecondEpoch, (), "cudagraph", None),
+    (ScalesTheLossBeforeTheBackwardByTheEpoch, (), "cudagraph", None),
+    (BranchesOnTheStepAfterBackward, (), "compiled", "the 'on_after_backward' hook cannot run in the 'cudagraph' engine "
+     "(the step compiled again while it was captured: its hooks read a Python value that changes between steps"),
+    (ReadsTheHostAfterBackward, (), "compiled", "called a synchronizing CUDA operation (host read during capture)"),
+    (BreaksTheGraphAfterBackward, (), "compiled", "the module's on_after_backward does not trace into one graph"),
+    (Classifier, (ReadsGradientsAfterBackward,), "compiled", "a callback's on_after_backward"),
+], ids=["module-logs", "module-grad-norm", "module-scales-by-the-epoch", "module-logs-by-the-epoch-before",
+        "module-branches-on-the-step", "module-reads-the-host", "module-breaks-the-graph", "callback"])
+def test_the_modules_own_backward_hooks_are_captured_with_the_step(graphed_engine, module_cls, callbacks, runs, warned):
+    """The module's on_before_backward and on_after_backward run compiled inside a capture: their
+    self.log calls are recorded and filed again after each replay, with accumulation too, and what
+    their Python reads is checked before each replay. A number that changed once (the epoch) has
+    the step captured again; one that changes at every step (a branch on global_step, which a
+    replay would freeze) and a hook dynamo cannot trace whole (a host read) keep the fit on the
+    compiled engine, where these hooks run eagerly; a callback's backward hook, whose state nothing
+    watches, moves the fit to the compiled engine at the start. In every case the weights and the
+    logged values are Lightning's."""
     ours_callbacks = [cls() for cls in callbacks]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -279,14 +336,34 @@ def test_the_modules_own_backward_hooks_are_captured_with_the_step(graphed_engin
     assert ft.engine == runs
     if runs == "cudagraph":
         assert ours == [] and _replays() > 0
-    elif callbacks:
-        assert len(ours) == 1 and "a callback's on_after_backward" in ours[0], ours
-        assert len(ours_callbacks[0].norms) == 18
     else:
-        assert len(ours) == 1 and "host read" in ours[0] and "'compiled'" in ours[0], ours
+        assert len(ours) == 1 and warned in ours[0] and "'compiled'" in ours[0], ours
+    if callbacks:
+        assert len(ours_callbacks[0].norms) == 18
     assert_same_weights(lm, fm, atol=1e-5)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
+
+
+def test_a_backward_hook_past_dynamos_recompile_limit_is_not_captured(graphed_engine, monkeypatch):
+    """Past dynamo's recompile limit a compiled hook runs uncompiled, and the guards of its
+    variants say nothing of the call a capture made: the capture is refused (the fit runs
+    compiled, with Lightning's values), here with the limit reached at once."""
+    from fasttrain.lightning import graphed_hooks
+
+    monkeypatch.setattr(graphed_hooks, "compiled_variants",
+                        lambda code: [None] * torch._dynamo.config.recompile_limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lt, lm, ft, fm = fit_both(
+            LogsAroundTheBackward, train_loader, trainer_kwargs=dict(max_epochs=2),
+            fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT), quiet=False,
+        )
+    ours = [str(w.message) for w in caught if "fasttrain" in str(w.message)]
+    assert ft.engine == "compiled" and _replays() == 0
+    assert len(ours) == 1 and "compiled once per value of a number it reads" in ours[0], ours
+    assert_same_weights(lm, fm, atol=1e-5)
+    assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
 
 
 def _gradients(module) -> list:

@@ -126,11 +126,16 @@ def is_stale(error: BaseException, mark: CompileMark, refusals: type) -> bool:
     )
 
 
+#: the hook each compiled function of the step runs, by its code's name (fasttrain.lightning adds
+#: the module's backward hooks, compiled on the graphed engine)
+HOOKS_OF_COMPILED_CODE = {"_train_forward": "calculate_train_batch_loss", "_update": "optimizer_step"}
+
+
 def compiling_hook(mark: CompileMark, running: Optional[str]) -> Optional[str]:
     """The trainer hook whose compiled function failed a guard since ``mark``, for a warning;
     else ``running``, the hook the engine was in."""
     names = {name for name, _ in mark.guard_failures()}
-    for code_name, hook in (("_train_forward", "calculate_train_batch_loss"), ("_update", "optimizer_step")):
+    for code_name, hook in HOOKS_OF_COMPILED_CODE.items():
         if code_name in names:
             return hook
     return running

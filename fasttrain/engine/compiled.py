@@ -398,7 +398,7 @@ class CompiledEngine(StepEngine):
             clipper.note_gradient_layout()
             self._clipper_noted = clipper
         self._hook = "optimizer_step"
-        with self.ctx.host_effects.update_scope():
+        with self.ctx.host_effects.kept_apart():
             norm = self._call_update()
         if norm is not None:
             self.last_grad_norm = norm

@@ -153,7 +153,7 @@ UPDATE = "optimizer_step"
 _FORWARD_BODIES = {TRAIN_HOOK: _train_forward, EVAL_HOOK: _eval_forward}
 #: what dynamo raises under fullgraph=True where it would break the graph (an unsupported call,
 #: data-dependent control flow): compiling with breaks can still take the hook
-_TRACE_ERRORS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+TRACE_ERRORS = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
                  torch._dynamo.exc.UncapturedHigherOrderOpError)
 
 
@@ -279,7 +279,7 @@ class _CompiledFunctions:
     def may_break(self, hook: str, error: BaseException) -> bool:
         """Whether ``hook``, which failed with ``error``, goes on compiled with graph breaks: it
         was traced whole because ``fullgraph`` was not given, and the trace met a graph break."""
-        return self.settings.fullgraph is None and self._whole[hook] and isinstance(error, _TRACE_ERRORS)
+        return self.settings.fullgraph is None and self._whole[hook] and isinstance(error, TRACE_ERRORS)
 
     def allow_breaks(self, hook: str) -> None:
         self._forwards[hook] = self._compile_forward(hook, whole=False)

@@ -50,10 +50,20 @@ class HostEffects:
     def discard(self, mark: object) -> None:
         """After a capture that failed: drop what it left (it refers to nothing that ran)."""
 
-    def update_scope(self) -> ContextManager:
-        """Around the update's hooks (compiled, captured or not): the effects they make are kept
-        apart from those of the step's forward while they run, so that the compiled update never
-        sees how many the forward made (dynamo would guard on that), and joined to them after."""
+    def guarded_calls(self) -> list:
+        """Right after a training step's capture: the compiled functions its hooks' own code ran
+        besides the engine's, ``(hook, code, frame_locals)`` as for
+        :class:`~fasttrain.engine.step_guards.ReplayGuards`, whose guards are checked before each
+        replay with the engine's. May raise ``CaptureRefused`` where a hook's Python ran that no
+        guard checks."""
+        return []
+
+    def kept_apart(self) -> ContextManager:
+        """Around hooks compiled apart from the step's forward (the update's, compiled, captured
+        or not; fasttrain.lightning's backward hooks on the graphed engine): the effects they make
+        are kept apart from those of the forward while they run, so that their compiled code never
+        sees how many the forward made (dynamo would guard on that, and the guards are checked
+        again before each replay), and joined to them after."""
         return contextlib.nullcontext()
 
 

@@ -404,6 +404,9 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         calls = [(TRAIN_HOOK, codes[TRAIN_HOOK], lambda: {"ctx": ctx, "batch": batch})]
         if update:
             calls.append((UPDATE, codes[UPDATE], lambda: {"ctx": ctx}))
+        # the hooks the step's eager code calls compiled (fasttrain.lightning: the module's
+        # on_before_backward / on_after_backward)
+        calls += ctx.host_effects.guarded_calls()
         return ReplayGuards.taken(calls)
 
     def _values_changed(self, captured: CapturedStep) -> Optional[tuple]:
@@ -444,7 +447,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         norm = None
         if update:
             self._hook = "optimizer_step"
-            with self.ctx.host_effects.update_scope():
+            with self.ctx.host_effects.kept_apart():
                 norm = functions.update(self.ctx)
             self._hook = "optimizer_zero_grad"
             zero_grad()

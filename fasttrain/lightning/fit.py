@@ -94,6 +94,7 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     # before the hooks are resolved, so the module's callbacks get every hook of this run
     merge_module_callbacks(lt, model)
     lt._hooks = (ProfiledHookCaller if profiling(lt) else HookCaller)(lt, model, lt.callbacks)
+    lt._backward_hooks = lt._hooks  # a fit on the graphed engine compiles the module's (runner.py)
     lt._eval_seen = collections.defaultdict(int)
     lt._batch_hooks = _batch_hooks(lt._hooks, model, datamodule)
     if profiling(lt):
@@ -234,8 +235,9 @@ def _choose_engine(lt, requested: str, device) -> str:
         if not blockers and name == "cudagraph":
             # a graph replays the kernels of these hooks, not their Python, whose effects (on a
             # callback's own state, say) nothing watches; the module's own on_before_backward and
-            # on_after_backward run (eagerly) inside the capture, watched as its training step;
-            # the zero-grad hooks run eagerly before each step (runner._ZeroGradAhead)
+            # on_after_backward are compiled inside the capture, their Python checked before each
+            # replay and watched as its training step (graphed_hooks.py); the zero-grad hooks run
+            # eagerly before each step (runner._ZeroGradAhead)
             blockers = [f"the module's {h}" for h in BACKWARD_HOOKS
                         if module_overrides(module, h) and h not in OBSERVED_BACKWARD_HOOKS + ZERO_GRAD_HOOKS]
             blockers += [f"a callback's {h}" for h in (*BACKWARD_HOOKS, "on_before_optimizer_step")

@@ -81,7 +81,7 @@ class LoggedCalls(HostEffects):
 
     def __init__(self, lightning_trainer):
         self.lt = lightning_trainer
-        self._update_calls: list = []
+        self._apart_calls: list = []
 
     def mark(self):
         store = self.lt._results
@@ -125,22 +125,28 @@ class LoggedCalls(HostEffects):
             del store.pending[start:]
             _restore_attributes(module, saved)
 
+    def guarded_calls(self) -> list:
+        # the module's backward hooks, compiled while the graphed engine runs (graphed_hooks.py)
+        calls = getattr(self.lt._backward_hooks, "replay_calls", None)
+        return [] if calls is None else calls()
+
     @contextlib.contextmanager
-    def update_scope(self):
-        # the update's calls go to a list of their own, empty at every update: the compiled
-        # update, whose guards are also checked before each replay, sees the same list then
+    def kept_apart(self):
+        # the calls of the update (or of a compiled backward hook) go to a list of their own,
+        # empty at every call: its compiled code, whose guards are also checked before each
+        # replay, sees the same list then
         store = self.lt._results
         if store is None:
             yield
             return
-        forward_calls, update_calls = store.pending, self._update_calls
-        store.pending = update_calls
+        forward_calls, own_calls = store.pending, self._apart_calls
+        store.pending = own_calls
         try:
             yield
         finally:
             store.pending = forward_calls
-            forward_calls.extend(update_calls)
-            update_calls.clear()
+            forward_calls.extend(own_calls)
+            own_calls.clear()
 
     def redo(self, effects) -> None:
         if effects is None:

@@ -20,11 +20,13 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 
 from fasttrain import prepare, signals
 from fasttrain.accelerate_state import build_accelerator
+from fasttrain.engine.compiled_functions import CompileSettings, settings_for_engine
 from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.combined import CombinedData
 from fasttrain.lightning.fast_log import step_logger
 from fasttrain.lightning.grad_modes import anomaly_context
 from fasttrain.lightning.graph_logging import LoggedCalls
+from fasttrain.lightning.graphed_hooks import GraphedBackwardHooks
 from fasttrain.lightning.profiler import profiling, strategy_action, timed
 from fasttrain.lightning.skipped_steps import StepReturnedNone, check_none_step, raise_step_returned_none
 from fasttrain.trainer import Trainer as FasttrainTrainer
@@ -107,6 +109,14 @@ class ModuleRunner(FasttrainTrainer):
         # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
         module = self.lt.lightning_module
         self._strategy_backward = self.lt.strategy.backward
+        self.lt._backward_hooks = self.lt._hooks
+        if getattr(self._engine, "name", None) == "cudagraph" and not self.lt._plain_backward_hooks:
+            # the module's backward hooks run inside the captured step: compiled, so that their
+            # Python is checked before each replay (graphed_hooks.py)
+            settings = settings_for_engine(CompileSettings.from_options(self.compile_options), "cudagraph")
+            self.lt._backward_hooks = GraphedBackwardHooks(
+                self.lt._hooks, self._engine, settings.kwargs(fullgraph=True), self._step_context.host_effects.kept_apart
+            )
         if profiling(self.lt):  # the steps and backward timed under the strategy's names, as in Lightning
             profiler, lt = self.lt.profiler, self.lt
             self._strategy_backward = timed(profiler, strategy_action(lt, "backward"), lt.strategy.backward)
@@ -344,6 +354,12 @@ class ModuleRunner(FasttrainTrainer):
     def _zero_grad_before_step(self):
         # the graphed engine clears the gradients (or runs the zero-grad hooks) before its step
         return _ZeroGradAhead(self)
+
+    def _unchecked_step_python(self, base) -> tuple:
+        # backward_step is the runner's: the module's backward hooks it calls are compiled on
+        # the graphed engine and checked before each replay (graphed_hooks.py), and its
+        # own and fit.py's engine choice keep the others out of a capture
+        return ()
 
     def _compile_owner(self):
         # a runner lives for one fit(); the module outlives it

@@ -402,11 +402,11 @@ class _FasttrainStrategy:
         """``on_before_backward`` -> the module's ``backward`` (scaled under fp16) ->
         ``on_after_backward``, as Lightning's strategy runs them."""
         trainer = self._trainer
-        hooks = trainer._hooks
+        hooks = trainer._backward_hooks  # the HookCaller, or the graphed engine's (graphed_hooks.py)
         hooks("on_before_backward", closure_loss)
         scaler = trainer._scaler()
         loss = scaler.scale(closure_loss) if scaler is not None else closure_loss
-        hooks.module_hook("backward", loss, *args, **kwargs)
+        trainer._hooks.module_hook("backward", loss, *args, **kwargs)
         hooks("on_after_backward")
         return closure_loss
 

@@ -150,6 +150,11 @@ class Trainer(LoopProperties):
         self._eval_step_name = "validation_step"
         self._eval_dataloader_idx = None
         self._hooks: Optional[HookCaller] = None
+        #: what strategy.backward calls on_before_backward / on_after_backward through: the
+        #: HookCaller, or GraphedBackwardHooks in a fit on the graphed engine
+        self._backward_hooks = None
+        #: whether no backward hook does anything (decided when a fit starts)
+        self._plain_backward_hooks = True
         #: whether the attached module defines validation_step (decided when a run attaches it)
         self._has_val_step = False
         #: whether the module or a callback zeroes gradients in its own hooks (decided when a fit
