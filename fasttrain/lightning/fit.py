@@ -94,7 +94,7 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
     # before the hooks are resolved, so the module's callbacks get every hook of this run
     merge_module_callbacks(lt, model)
     lt._hooks = (ProfiledHookCaller if profiling(lt) else HookCaller)(lt, model, lt.callbacks)
-    lt._backward_hooks = lt._hooks  # a fit on the graphed engine compiles the module's (runner.py)
+    lt._backward_hooks = lt._hooks  # a fit on the graphed engine compiles them (runner.py)
     lt._eval_seen = collections.defaultdict(int)
     lt._batch_hooks = _batch_hooks(lt._hooks, model, datamodule)
     if profiling(lt):
@@ -204,7 +204,6 @@ def _restore_weights(lt, path, weights_only) -> None:
 def _choose_engine(lt, requested: str, device) -> str:
     """The engine that can honour the module's hooks; one warning when that is not the one asked for."""
     module = lt.lightning_module
-    hooks = lt._hooks
     name = auto_engine_name(device) if requested == "auto" else requested
     if not module.automatic_optimization:
         blockers, target = ["the module's automatic_optimization = False"], "eager"
@@ -233,15 +232,14 @@ def _choose_engine(lt, requested: str, device) -> str:
             blockers.append("a profiler (it times each hook)")
         target = "eager"
         if not blockers and name == "cudagraph":
-            # a graph replays the kernels of these hooks, not their Python, whose effects (on a
-            # callback's own state, say) nothing watches; the module's own on_before_backward and
-            # on_after_backward are compiled inside the capture, their Python checked before each
-            # replay and watched as its training step (graphed_hooks.py); the zero-grad hooks run
-            # eagerly before each step (runner._ZeroGradAhead)
+            # a graph replays the kernels of the module's own backward, not its Python; the
+            # module's and callbacks' on_before_backward and on_after_backward are compiled inside
+            # the capture, their Python checked before each replay and what they change on the
+            # module or their callback watched, as the training step's (graphed_hooks.py,
+            # graph_logging.py); the zero-grad hooks run eagerly before each step
+            # (runner._ZeroGradAhead)
             blockers = [f"the module's {h}" for h in BACKWARD_HOOKS
                         if module_overrides(module, h) and h not in OBSERVED_BACKWARD_HOOKS + ZERO_GRAD_HOOKS]
-            blockers += [f"a callback's {h}" for h in (*BACKWARD_HOOKS, "on_before_optimizer_step")
-                         if h not in ZERO_GRAD_HOOKS and hooks.callback_methods(h)]
             target = "compiled"
     if not blockers or name == "eager" or (name == "compiled" and target == "compiled"):
         return name

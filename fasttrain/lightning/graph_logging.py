@@ -28,6 +28,7 @@ import torch
 
 from fasttrain.engine.capture_policy import HostStateChanged
 from fasttrain.engine.context import HostEffects
+from fasttrain.lightning.hooks import CAPTURED_CALLBACK_HOOKS
 
 #: where the logged value sits in a call that ResultStore.log recorded
 _VALUE = 2
@@ -83,29 +84,43 @@ class LoggedCalls(HostEffects):
         self.lt = lightning_trainer
         self._apart_calls: list = []
 
+    def _watched(self) -> list:
+        # the module, and the callbacks whose hooks run inside the captured step (compiled with
+        # the update, or through graphed_hooks.py), with how a warning names each
+        hooks = self.lt._hooks
+        watched = [(self.lt.lightning_module, "the module")]
+        seen = set()
+        for name in CAPTURED_CALLBACK_HOOKS:
+            for callback, _ in hooks.callback_methods(name):
+                if id(callback) not in seen:
+                    seen.add(id(callback))
+                    watched.append((callback, f"the callback {type(callback).__name__}"))
+        return watched
+
     def mark(self):
         store = self.lt._results
-        module = self.lt.lightning_module
         if store is None:
             return None
-        # the hooks the capture runs eagerly (the module's backward hooks) record their calls
-        # too, as a compiled step's are recorded, instead of filing them once
+        # the hooks the capture runs apart from the compiled step (the backward hooks, compiled
+        # on their own: graphed_hooks.py) record their calls too, instead of filing them once
         store.recording = True
-        return store, len(store.pending), module, _python_state(module), _saved_attributes(module)
+        watched = [(owner, label, _python_state(owner), _saved_attributes(owner)) for owner, label in self._watched()]
+        return store, len(store.pending), watched
 
     def taken_since(self, mark):
         if mark is None:
             return None
-        store, start, module, state, _ = mark
+        store, start, watched = mark
         store.recording = False
         calls = store.pending[start:]
         del store.pending[start:]
-        changed = _changed(state, _python_state(module))
-        if changed is not None:
-            raise HostStateChanged(
-                f"the step changed the module's attribute {changed!r} in Python (an append, a counter), "
-                "which a CUDA graph's replay would not do again"
-            )
+        for owner, label, state, _ in watched:
+            changed = _changed(state, _python_state(owner))
+            if changed is not None:
+                raise HostStateChanged(
+                    f"the step changed {label}'s attribute {changed!r} in Python (an append, a counter), "
+                    "which a CUDA graph's replay would not do again"
+                )
         if not calls:
             return None
         for call in calls:
@@ -120,13 +135,14 @@ class LoggedCalls(HostEffects):
 
     def discard(self, mark) -> None:
         if mark is not None:
-            store, start, module, _, saved = mark
+            store, start, watched = mark
             store.recording = False
             del store.pending[start:]
-            _restore_attributes(module, saved)
+            for owner, _, _, saved in watched:
+                _restore_attributes(owner, saved)
 
     def guarded_calls(self) -> list:
-        # the module's backward hooks, compiled while the graphed engine runs (graphed_hooks.py)
+        # the backward hooks, compiled while the graphed engine runs (graphed_hooks.py)
         calls = getattr(self.lt._backward_hooks, "replay_calls", None)
         return [] if calls is None else calls()
 

@@ -1,4 +1,5 @@
-"""The module's own ``on_before_backward`` and ``on_after_backward`` under the graphed engine.
+"""``on_before_backward`` and ``on_after_backward`` (the module's and the callbacks') under the
+graphed engine.
 
 Lightning runs them around the backward, inside the step a CUDA graph captures. A replay runs
 the kernels they issued at the capture, never their Python: a branch on ``self.global_step``
@@ -8,8 +9,8 @@ So while the graphed engine runs, they are called through dynamo, traced whole: 
 Python reads becomes dynamo's guards, which the engine checks before each replay with those of
 its other compiled functions (engine/step_guards.py), and a replay whose hooks would now take
 another path is not made (the step is captured again, or, where that keeps happening, runs on
-the compiled engine). Their ``self.log`` calls are recorded as a compiled step's are
-(graph_logging.py). A hook dynamo cannot trace whole (a host read: Lightning's ``grad_norm``
+the compiled engine). Their ``self.log`` calls are recorded as a compiled step's are, and what
+they change on the module or their callback refuses the capture (graph_logging.py). A hook dynamo cannot trace whole (a host read: Lightning's ``grad_norm``
 builds its total on the host) runs as written during the warm-up, and the capture is refused:
 the fit goes on compiled, where these hooks run eagerly at every step.
 """
@@ -43,10 +44,10 @@ HOOKS_OF_COMPILED_CODE.update({body.__name__: name for name, (body, _) in _BODIE
 
 
 class GraphedBackwardHooks:
-    """What ``strategy.backward`` calls its hooks through in a fit on the graphed engine: the
-    module's ``on_before_backward`` / ``on_after_backward`` compiled (``fullgraph=True``) while
-    that engine runs the training steps, as written once it fell back. Callbacks' backward hooks
-    move such a fit to the compiled engine at its start (fit.py), so only the module's run here.
+    """What ``strategy.backward`` calls its hooks through in a fit on the graphed engine:
+    ``on_before_backward`` / ``on_after_backward`` (the callbacks', then the module's, as the
+    HookCaller calls them) compiled (``fullgraph=True``) while that engine runs the training
+    steps, as written once it fell back.
 
     :param hooks: the run's HookCaller
     :param engine: the step engine (``active_engine`` says which one runs the steps now)
@@ -94,7 +95,7 @@ class GraphedBackwardHooks:
         for name, code in self._codes.items():
             if name in self._untraced:
                 raise CaptureRefused(
-                    f"the module's {name} does not trace into one graph ({self._untraced[name]}): a CUDA graph "
+                    f"{name} (the module's or a callback's) does not trace into one graph ({self._untraced[name]}): a CUDA graph "
                     "replays the kernels of its capture, and only a hook dynamo traces whole has its Python "
                     "checked before each replay. Log gradient norms in on_before_optimizer_step, which is "
                     "compiled with the update, to keep the graphs"
@@ -102,7 +103,7 @@ class GraphedBackwardHooks:
             if len(compiled_variants(code)) >= torch._dynamo.config.recompile_limit:
                 # past dynamo's limit a call runs uncompiled, and its variants' guards say nothing
                 raise CaptureRefused(
-                    f"the module's {name} compiled once per value of a number it reads "
+                    f"{name} (the module's or a callback's) compiled once per value of a number it reads "
                     f"({torch._dynamo.config.recompile_limit} times)"
                 )
             names = ("hooks", *_BODIES[name][1])

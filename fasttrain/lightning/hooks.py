@@ -33,6 +33,9 @@ BACKWARD_HOOKS = ("backward", "on_before_backward", "on_after_backward", "on_bef
 OBSERVED_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
 # those of them that the graphed engine runs eagerly before a window's first step, outside any capture
 ZERO_GRAD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad")
+# the callback hooks the graphed engine captures, compiled (with the update, or graphed_hooks.py):
+# what they change on their callback refuses the capture, as for the module (graph_logging.py)
+CAPTURED_CALLBACK_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
 # LightningModule defaults that do something and must run when not overridden

@@ -111,7 +111,7 @@ class ModuleRunner(FasttrainTrainer):
         self._strategy_backward = self.lt.strategy.backward
         self.lt._backward_hooks = self.lt._hooks
         if getattr(self._engine, "name", None) == "cudagraph" and not self.lt._plain_backward_hooks:
-            # the module's backward hooks run inside the captured step: compiled, so that their
+            # the backward hooks run inside the captured step: compiled, so that their
             # Python is checked before each replay (graphed_hooks.py)
             settings = settings_for_engine(CompileSettings.from_options(self.compile_options), "cudagraph")
             self.lt._backward_hooks = GraphedBackwardHooks(
@@ -356,9 +356,9 @@ class ModuleRunner(FasttrainTrainer):
         return _ZeroGradAhead(self)
 
     def _unchecked_step_python(self, base) -> tuple:
-        # backward_step is the runner's: the module's backward hooks it calls are compiled on
-        # the graphed engine and checked before each replay (graphed_hooks.py), and its
-        # own and fit.py's engine choice keep the others out of a capture
+        # backward_step is the runner's: the backward hooks it calls are compiled on the
+        # graphed engine and checked before each replay (graphed_hooks.py), and a module's own
+        # backward keeps the fit off that engine (fit.py)
         return ()
 
     def _compile_owner(self):

@@ -278,7 +278,8 @@ def fit_both(module_factory, loader_factory, val_factory=None, seed=0, trainer_k
              quiet=True):
     """Fit ``module_factory()`` under lightning.Trainer and fasttrain.lightning.Trainer from the
     same seed and data; returns ``(lightning_trainer, lightning_module, fasttrain_trainer,
-    fasttrain_module)``. ``quiet=False`` leaves fasttrain's fit's warnings to the caller."""
+    fasttrain_module)``; ``fasttrain_kwargs`` add to ``trainer_kwargs`` for fasttrain's, or replace
+    them (callbacks of its own). ``quiet=False`` leaves fasttrain's fit's warnings to the caller."""
     from fasttrain.lightning import Trainer as FastTrainer
 
     kwargs = dict(QUIET)
@@ -292,7 +293,7 @@ def fit_both(module_factory, loader_factory, val_factory=None, seed=0, trainer_k
         with warnings.catch_warnings():
             if quiet or trainer_cls is L.Trainer:
                 warnings.simplefilter("ignore")
-            trainer = trainer_cls(**kwargs, **extra)
+            trainer = trainer_cls(**{**kwargs, **extra})  # fasttrain_kwargs replace trainer_kwargs
             trainer.fit(mod, loader_factory(), val_factory() if val_factory else None)
         out += [trainer, mod]
     return tuple(out)
