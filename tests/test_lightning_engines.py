@@ -223,20 +223,24 @@ def test_cudagraph_engine_on_cuda_matches_lightning():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_lightning(exact_cuda):
+@pytest.mark.parametrize("logs_from", ["module", "callback"])
+def test_a_tied_causal_lm_logging_gradient_norms_is_captured_on_cuda_as_under_lightning(exact_cuda, logs_from):
     """The CPU test above with real graphs: dict batches, a final norm, tied weights, norm
     clipping, and the gradient norms logged in on_after_backward (compiled, its guards checked
     before each replay: graphed_hooks.py) and in on_before_optimizer_step (compiled with the
-    update), filed after each replay
-    (aot_eager: what is checked is the capture and the replays, not Inductor's kernels, and it
-    keeps the device run's test step short)."""
-    from lightning_modules import TiedCausalLMLoggingNorms, TokenDicts
+    update), filed after each replay; logged by the module or by a callback (aot_eager: what is
+    checked is the capture and the replays, not Inductor's kernels, and it keeps the device run's
+    test step short)."""
+    from lightning_modules import LogsGradientNormsOfTheModule, TiedCausalLM, TiedCausalLMLoggingNorms, TokenDicts
     from test_engine_graph_logic import AOT
 
+    module_cls, logging = (TiedCausalLMLoggingNorms, []) if logs_from == "module" else (
+        TiedCausalLM, [LogsGradientNormsOfTheModule])
     lt, lm, ft, fm = fit_both(
-        TiedCausalLMLoggingNorms, lambda: loader(TokenDicts(), batch_size=8, shuffle=True),
-        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5, accelerator="gpu", devices=1),
-        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+        module_cls, lambda: loader(TokenDicts(), batch_size=8, shuffle=True),
+        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5, accelerator="gpu", devices=1,
+                            callbacks=[cls() for cls in logging]),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT, callbacks=[cls() for cls in logging]),
     )
     assert ft.engine == "cudagraph" and set(ft._runner._engine._train_graphs) == {True}
     assert ft.global_step == lt.global_step == 15
@@ -417,39 +421,43 @@ def test_a_layer_unfrozen_at_an_epoch_start_trains_on_the_compiled_engine_as_und
     "engine, variant, runs",
     [("compiled", "plain", "compiled"), ("compiled", "logs-norms", "compiled"),
      ("cudagraph", "plain", "cudagraph"), ("cudagraph", "logs-norms", "cudagraph"),
-     ("compiled", "clears-to-none", "compiled"), ("cudagraph", "clears-to-none", "cudagraph")],
+     ("compiled", "clears-to-none", "compiled"), ("cudagraph", "clears-to-none", "cudagraph"),
+     ("compiled", "callback-logs-norms", "compiled"), ("cudagraph", "callback-logs-norms", "cudagraph")],
 )
 def test_a_tied_causal_lm_on_dict_batches_trains_as_under_lightning(monkeypatch, engine, variant, runs):
     """The compiled and graphed paths on a module shaped like users' (dict batches, final norm,
     head tied to the embedding, norm clipping, a per-step schedule), with and without the hooks
-    that log gradient norms (after the backward, before the update), and with its own
-    optimizer_zero_grad setting the gradients to None at each window's start (accumulating 2):
-    Lightning's weights and logged values, and nothing compiled after the first epoch."""
+    that log gradient norms (after the backward, before the update; the module's, or a
+    callback's), and with its own optimizer_zero_grad setting the gradients to None at each
+    window's start (accumulating 2): Lightning's weights and logged values, and nothing compiled
+    after the first epoch."""
     from fasttrain.engine import ENGINES
     from test_engine_graph_logic import AOT
     from test_lightning_graphed import ReplaysRunNoPython
 
-    from lightning_modules import TiedCausalLM, TiedCausalLMLoggingNorms, TokenDicts
+    from lightning_modules import LogsGradientNormsOfTheModule, TiedCausalLM, TiedCausalLMLoggingNorms, TokenDicts
 
     class TiedCausalLMClearingToNone(TiedCausalLM):
         def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
             optimizer.zero_grad(set_to_none=True)
 
     module_cls = {"plain": TiedCausalLM, "logs-norms": TiedCausalLMLoggingNorms,
-                  "clears-to-none": TiedCausalLMClearingToNone}[variant]
+                  "clears-to-none": TiedCausalLMClearingToNone, "callback-logs-norms": TiedCausalLM}[variant]
+    logging = [LogsGradientNormsOfTheModule] if variant == "callback-logs-norms" else []
     accumulate = 2 if variant == "clears-to-none" else 1
     monkeypatch.setitem(ENGINES, "cudagraph", ReplaysRunNoPython)
     graphs = _GraphCount()
     lt, lm, ft, fm = fit_both(
         module_cls, lambda: loader(TokenDicts(), batch_size=8, shuffle=True),
-        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5, accumulate_grad_batches=accumulate),
-        fasttrain_kwargs=dict(engine=engine, compile_options=AOT, callbacks=[graphs]),
+        trainer_kwargs=dict(max_epochs=3, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
+                            callbacks=[cls() for cls in logging]),
+        fasttrain_kwargs=dict(engine=engine, compile_options=AOT, callbacks=[graphs, *[cls() for cls in logging]]),
     )
     assert ft.engine == runs
     assert fm.head.weight is fm.emb.weight  # still tied
     assert graphs.per_epoch[1] == graphs.per_epoch[2], graphs.per_epoch
     assert ft.global_step == lt.global_step == (15 if accumulate == 1 else 9)
-    assert ("grad_2.0_norm/emb.weight" in lt.logged_metrics) == (variant == "logs-norms")
+    assert ("grad_2.0_norm/emb.weight" in lt.logged_metrics) == variant.endswith("logs-norms")
     if runs == "cudagraph":
         assert set(ft._runner._engine._train_graphs) == ({True} if accumulate == 1 else {False, True})
     assert_same_weights(lm, fm, atol=1e-5)

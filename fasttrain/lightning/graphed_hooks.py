@@ -95,10 +95,10 @@ class GraphedBackwardHooks:
         for name, code in self._codes.items():
             if name in self._untraced:
                 raise CaptureRefused(
-                    f"{name} (the module's or a callback's) does not trace into one graph ({self._untraced[name]}): a CUDA graph "
-                    "replays the kernels of its capture, and only a hook dynamo traces whole has its Python "
-                    "checked before each replay. Log gradient norms in on_before_optimizer_step, which is "
-                    "compiled with the update, to keep the graphs"
+                    f"{name} (the module's or a callback's) does not trace into one graph "
+                    f"({self._untraced[name]}): a CUDA graph replays the kernels of its capture, and only a "
+                    "hook dynamo traces whole has its Python checked before each replay; without a host "
+                    "read, print or other graph break there the fit keeps the graphs"
                 )
             if len(compiled_variants(code)) >= torch._dynamo.config.recompile_limit:
                 # past dynamo's limit a call runs uncompiled, and its variants' guards say nothing

@@ -194,6 +194,19 @@ class TiedCausalLMLoggingNorms(TiedCausalLM):
         self.log_dict(grad_norm(self, norm_type=2))
 
 
+class LogsGradientNormsOfTheModule(L.Callback):
+    """What TiedCausalLMLoggingNorms logs, from a callback: the tied weight's gradient norm after
+    each backward and Lightning's grad_norm before each update, through the module's log."""
+
+    def on_after_backward(self, trainer, module):
+        module.log("tied_grad_norm", module.emb.weight.grad.norm())
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        from lightning.pytorch.utilities import grad_norm
+
+        module.log_dict(grad_norm(module, norm_type=2))
+
+
 class TokenDicts(torch.utils.data.Dataset):
     """Token windows as dicts of ``input_ids`` and next-token ``labels``."""
 
