@@ -487,3 +487,26 @@ def test_a_backward_step_override_keeps_the_graphed_engine_at_setup():
     assert "'compiled'" in messages[0] and "calculate_train_batch_loss" in messages[0]
     assert graphed.trainer.active_engine == "compiled" and HostGraphEngine.graphs == []
     assert_runs_match(eager, graphed)
+
+
+class ScalesTheLossFromTheThirdEpochInTheForward(Trainer):
+    """The same scale where the warning above points: in the compiled forward."""
+
+    def calculate_train_batch_loss(self, batch):
+        batch_output = super().calculate_train_batch_loss(batch)
+        scale = 1.0 if self.run_history.current_epoch < 3 else 0.5
+        return {**batch_output, "loss": batch_output["loss"] * scale}
+
+
+def test_the_same_scale_in_calculate_train_batch_loss_keeps_the_graphs():
+    # its Python is compiled: the epoch is a guard checked before each replay, and the third
+    # epoch's scale has the steps captured again, with no warning
+    case = mlp_case(ScalesTheLossFromTheThirdEpochInTheForward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = run(case, "eager", eval_dataset=None)
+        graphed = run(case, "cudagraph", AOT, eval_dataset=None)
+    assert fasttrain_warnings(caught) == []
+    assert graphed.trainer.active_engine == "cudagraph"
+    assert sum(graph.replays for graph in HostGraphEngine.graphs) > 0
+    assert_runs_match(eager, graphed)
