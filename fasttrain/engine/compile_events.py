@@ -127,7 +127,7 @@ def is_stale(error: BaseException, mark: CompileMark, refusals: type) -> bool:
 
 
 #: the hook each compiled function of the step runs, by its code's name (fasttrain.lightning adds
-#: the module's backward hooks, compiled on the graphed engine)
+#: the backward hooks, compiled on the graphed engine)
 HOOKS_OF_COMPILED_CODE = {"_train_forward": "calculate_train_batch_loss", "_update": "optimizer_step"}
 
 

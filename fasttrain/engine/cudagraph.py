@@ -404,8 +404,8 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         calls = [(TRAIN_HOOK, codes[TRAIN_HOOK], lambda: {"ctx": ctx, "batch": batch})]
         if update:
             calls.append((UPDATE, codes[UPDATE], lambda: {"ctx": ctx}))
-        # the hooks the step's eager code calls compiled (fasttrain.lightning: the module's
-        # on_before_backward / on_after_backward)
+        # the hooks the step's eager code calls compiled (fasttrain.lightning: on_before_backward
+        # and on_after_backward, the module's and the callbacks')
         calls += ctx.host_effects.guarded_calls()
         return ReplayGuards.taken(calls)
 

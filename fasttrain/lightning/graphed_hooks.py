@@ -10,9 +10,11 @@ Python reads becomes dynamo's guards, which the engine checks before each replay
 its other compiled functions (engine/step_guards.py), and a replay whose hooks would now take
 another path is not made (the step is captured again, or, where that keeps happening, runs on
 the compiled engine). Their ``self.log`` calls are recorded as a compiled step's are, and what
-they change on the module or their callback refuses the capture (graph_logging.py). A hook dynamo cannot trace whole (a host read: Lightning's ``grad_norm``
-builds its total on the host) runs as written during the warm-up, and the capture is refused:
-the fit goes on compiled, where these hooks run eagerly at every step.
+they change on the module or their callback refuses the capture (graph_logging.py). A hook
+dynamo cannot trace whole (a graph break: ``.item()``, ``print``, a call dynamo does not
+support) runs as written during the warm-up, and the capture is refused: the fit goes on
+compiled, where these hooks run eagerly at every step. (Lightning's ``grad_norm``, which builds
+its total on the host when run eagerly, traces whole.)
 """
 
 from __future__ import annotations

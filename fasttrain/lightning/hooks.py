@@ -27,15 +27,16 @@ from lightning.pytorch.utilities import rank_zero_info
 UPDATE_HOOKS = ("optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping")
 # hooks Lightning runs around the backward (the zero-grad ones at a window's first batch, before it)
 BACKWARD_HOOKS = ("backward", "on_before_backward", "on_after_backward", "on_before_zero_grad", "optimizer_zero_grad")
-# those of them whose module override the graphed engine captures, compiled (graphed_hooks.py):
-# their self.log calls are recorded and filed again after each replay, what they read is checked
-# before each replay, and what they change on the module refuses the capture (graph_logging.py)
+# those of them whose overrides (the module's and callbacks') the graphed engine captures, compiled
+# (graphed_hooks.py): their self.log calls are recorded and filed again after each replay, what
+# they read is checked before each replay, and what they change on the module or their callback
+# refuses the capture (graph_logging.py)
 OBSERVED_BACKWARD_HOOKS = ("on_before_backward", "on_after_backward")
 # those of them that the graphed engine runs eagerly before a window's first step, outside any capture
 ZERO_GRAD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad")
 # the callback hooks the graphed engine captures, compiled (with the update, or graphed_hooks.py):
 # what they change on their callback refuses the capture, as for the module (graph_logging.py)
-CAPTURED_CALLBACK_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+CAPTURED_CALLBACK_HOOKS = (*OBSERVED_BACKWARD_HOOKS, "on_before_optimizer_step")
 
 
 # LightningModule defaults that do something and must run when not overridden

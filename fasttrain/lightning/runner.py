@@ -109,10 +109,10 @@ class ModuleRunner(FasttrainTrainer):
         # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
         module = self.lt.lightning_module
         self._strategy_backward = self.lt.strategy.backward
-        self.lt._backward_hooks = self.lt._hooks
         if getattr(self._engine, "name", None) == "cudagraph" and not self.lt._plain_backward_hooks:
-            # the backward hooks run inside the captured step: compiled, so that their
-            # Python is checked before each replay (graphed_hooks.py)
+            # the backward hooks run inside the captured step: compiled, so that their Python is
+            # checked before each replay (graphed_hooks.py); other runs call them through the
+            # HookCaller that fit._attach set for this run
             settings = settings_for_engine(CompileSettings.from_options(self.compile_options), "cudagraph")
             self.lt._backward_hooks = GraphedBackwardHooks(
                 self.lt._hooks, self._engine, settings.kwargs(fullgraph=True), self._step_context.host_effects.kept_apart
