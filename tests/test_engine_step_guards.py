@@ -8,12 +8,14 @@ capture did."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
-from fasttrain.engine.step_guards import ReplayGuards
+from fasttrain.engine.step_guards import FramesRun, ReplayGuards, _arguments, _recorded, _users_code
+from fasttrain.regional import compile_regions
 
-from engine_cases import assert_runs_match, eager_and, mlp_case
+from engine_cases import Case, assert_runs_match, eager_and, mlp_case, vector_data
 from test_engine_graph_logic import AOT, HostGraphEngine, host_graphs  # noqa: F401
 
 
@@ -122,3 +124,225 @@ def test_the_guards_of_the_variant_last_run_fail_for_another_value_and_name_it()
     assert hook == "hook" and "holder'].k == 1" in guard
     # a function that never compiled has no guards to keep: nothing to check
     assert ReplayGuards.taken([("hook", _never_compiled.__code__, dict)]).failure() is None
+
+
+class WeighsItsLossAfterABreak(WeighsItsLoss):
+    """As WeighsItsLoss, reading the weight only after a graph break: the code after the break
+    runs in a frame of its own (dynamo's resume function), whose guards hold the weight."""
+
+    def calculate_train_batch_loss(self, batch):
+        outputs = self.model(batch[0])
+        torch._dynamo.graph_break()
+        loss = self.loss_func(outputs, batch[1]) * self.loss_weight
+        return {"loss": loss, "model_outputs": outputs, "batch_size": batch[1].size(0)}
+
+
+class WeighsItsEvalLossAfterABreak(Trainer):
+    """The evaluation loss weighed by ``eval_weight``, read after a graph break under no_grad."""
+
+    eval_weight = 1.0
+
+    def calculate_eval_batch_loss(self, batch):
+        with torch.no_grad():
+            outputs = self.model(batch[0])
+            torch._dynamo.graph_break()
+            loss = self.loss_func(outputs, batch[1]) * self.eval_weight
+        return {"loss": loss, "model_outputs": outputs, "batch_size": batch[1].size(0)}
+
+
+class AlternatingEvalWeight(TrainerCallback):
+    def on_eval_epoch_start(self, trainer, **kwargs):
+        trainer.eval_weight = (1.0, 0.5)[(trainer.run_history.current_epoch - 1) % 2]
+
+
+def test_a_value_read_after_a_graph_break_is_checked_before_each_replay():
+    # the weight returns to a value compiled before: no compile marks the capture stale, and the
+    # hook's own frame reads nothing that changed; the frame after the break does, and its
+    # guards are checked too (the stand-in's replay refused the third epoch's before)
+    case = mlp_case(epochs=4, trainer_cls=WeighsItsLossAfterABreak)
+    eager, graphed, messages = eager_and(
+        case, "cudagraph", AOT, callbacks=[AlternatingWeight((1.0, 0.5))], eval_dataset=None
+    )
+    assert len(messages) == 1 and "cannot be traced as one graph" in messages[0], messages
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and engine._recaptures >= 1
+    assert _replays() > 0
+    assert_runs_match(eager, graphed)
+
+
+def test_a_value_read_after_a_graph_break_in_evaluation_is_checked_before_each_replay():
+    # as above, in the evaluation graph (the frame after the break runs under no_grad)
+    case = mlp_case(epochs=4, trainer_cls=WeighsItsEvalLossAfterABreak)
+    eager, graphed, messages = eager_and(case, "cudagraph", AOT, callbacks=[AlternatingEvalWeight()])
+    assert len(messages) == 1 and "cannot be traced as one graph" in messages[0], messages
+    engine = graphed.trainer._engine
+    assert engine.active_eval_engine == "cudagraph" and engine._eval_recaptures >= 1
+    assert _replays() > 0
+    assert_runs_match(eager, graphed)
+
+
+def _scaled_without_grad(holder, x):
+    with torch.no_grad():
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y * holder.k
+
+
+def _scaled_in_autocast(holder, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y * holder.k
+
+
+def _frames_of(function, holder, x):
+    """The compiled frames of ``function(holder, x)``'s second compiled call."""
+    compiled = torch.compile(function, backend="eager", dynamic=False)
+    compiled(holder, x)
+    frames = FramesRun(lambda: "hook")
+    frames.run(lambda: compiled(holder, x))
+    return frames
+
+
+def test_the_frames_after_a_break_are_checked_in_the_grad_mode_and_autocast_they_ran_in():
+    for function in (_scaled_without_grad, _scaled_in_autocast):
+        torch._dynamo.reset()
+        holder, x = _Holder(), torch.ones(3, requires_grad=True)
+        holder.k = 1
+        frames = _frames_of(function, holder, x)
+        names = [code.co_name for _, code, _, _, _ in frames.calls]
+        assert names[0] == function.__name__ and "resume" in names[1], names
+        # the hook's own frame is checked with the arguments its call gets (ReplayGuards.calls)
+        guards = ReplayGuards.taken([("hook", frames.calls[0][1], lambda: {"holder": holder, "x": x})], frames)
+        assert guards.failure() is None
+        holder.k = 2
+        hook, guard = guards.failure()
+        assert hook == "hook" and "holder'].k == 1" in guard and "resume" in guard, guard
+        # the host's grad mode and autocast are as they were
+        assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_cache_enabled()
+
+
+def test_the_recorded_tensors_keep_their_metadata_and_no_memory():
+    base = torch.randn(4, 6, requires_grad=True)
+    view, other = base[:, 1:5], base.t()
+    recorded = _recorded({"a": [view, other], "b": (view,), "c": 3}, {})
+    assert recorded["b"][0] is recorded["a"][0] and recorded["c"] == 3
+    # once the capture ended: a tensor still alive is itself (dynamo guards some by identity),
+    # one the step freed a stand-in, made for each check
+    del view
+    arguments = _arguments(recorded)
+    first, second = arguments(), arguments()
+    twin, twin_other = first["a"]
+    # (no tensor comparison: a stand-in's data is never read, nor printed)
+    assert twin_other is other and first["b"][0] is twin and second["a"][0] is not twin
+    assert twin.shape == (4, 4) and twin.stride() == (6, 1) and twin.storage_offset() == 1
+    assert twin.dtype == torch.float32 and twin.requires_grad and twin.device == other.device
+    # on a storage of the original's size at a data pointer it does not own (0)
+    assert twin.untyped_storage().nbytes() == base.untyped_storage().nbytes()
+    assert twin.data_ptr() == 1 * twin.element_size()
+    # views of one storage get stand-ins on one storage
+    full = torch.randn(8)
+    recorded = _recorded((full[:4], full[4:]), {})
+    del full
+    twins = _arguments({"t": recorded})()["t"]
+    assert twins[0].untyped_storage()._cdata == twins[1].untyped_storage()._cdata
+    # a parameter (long-lived, a subclass) is kept as it is
+    parameter = torch.nn.Parameter(torch.ones(2))
+    assert _recorded(parameter, {}) is parameter
+
+
+class _Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class ScaledStack(nn.Module):
+    """Blocks called in a loop, then a head whose output is scaled by ``scale``, a float a
+    callback sets: with the blocks compiled as regions, dynamo runs this forward as written."""
+
+    scale = 1.0
+
+    def __init__(self, width=8, classes=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(3))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * self.scale
+
+
+class AlternatingModelScale(TrainerCallback):
+    def on_train_epoch_start(self, trainer, **kwargs):
+        trainer.model.scale = (1.0, 0.5)[(trainer.run_history.current_epoch - 1) % 2]
+
+
+def _regional_stack():
+    model = ScaledStack()
+    compile_regions(model, _Block, backend="aot_eager")
+    return model
+
+
+def test_a_forward_that_runs_uncompiled_inside_the_step_is_not_captured():
+    # compile_regions breaks the graph at each block, inside the forward's loop, so dynamo runs
+    # the forward as written: its scale would be replayed as the capture saw it (the stand-in's
+    # replay refused the third epoch's before), and no guard holds it
+    case = Case(model=_regional_stack, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                data=vector_data, epochs=3)
+    eager, graphed, messages = eager_and(case, "cudagraph", AOT, callbacks=[AlternatingModelScale()], eval_dataset=None)
+    assert len(messages) == 1, messages
+    assert "'calculate_train_batch_loss' hook cannot run in the 'cudagraph' engine" in messages[0]
+    assert "ScaledStack.forward" in messages[0] and "runs uncompiled inside the captured step" in messages[0]
+    assert "compile_regions makes one at each block" in messages[0] and "'compiled' engine" in messages[0]
+    assert graphed.trainer.active_engine == "compiled" and _replays() == 0
+    assert_runs_match(eager, graphed)
+
+
+def test_the_users_code_is_told_from_the_libraries_that_run_the_step():
+    assert _users_code(ScaledStack.forward.__code__)
+    assert not _users_code(nn.Linear.forward.__code__) and not _users_code(Trainer.backward_step.__code__)
+    assert not _users_code(compile("x = 1", "<eval_with_key>.3", "exec"))  # generated (an FX graph's)
+
+
+class UnrolledScaledStack(ScaledStack):
+    """The same blocks called one by one: dynamo resumes after each block's break, compiled."""
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        x = self.blocks[2](x)
+        return self.head(x) * self.scale
+
+
+def _unrolled_regional_stack():
+    model = UnrolledScaledStack()
+    compile_regions(model, _Block, backend="aot_eager")
+    return model
+
+
+def test_regions_called_one_by_one_keep_the_graphs_and_their_scale_is_checked():
+    # every frame of the step is compiled (the code after each block a resume function): the
+    # scale, read after the last block's break, is guarded there and checked before each replay
+    case = Case(model=_unrolled_regional_stack, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                data=vector_data, epochs=3)
+    eager, graphed, messages = eager_and(case, "cudagraph", AOT, callbacks=[AlternatingModelScale()], eval_dataset=None)
+    assert messages == []
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and _replays() > 0
+    assert_runs_match(eager, graphed)
+
+
+def test_the_code_inductor_generates_is_not_taken_for_the_users():
+    # Inductor's compiled graphs run from Python modules it writes to its cache directory: code
+    # that runs uncompiled in every step by design (the other tests compile with aot_eager)
+    case = mlp_case(epochs=2)
+    eager, graphed, messages = eager_and(case, "cudagraph", None, eval_dataset=None)
+    assert messages == []
+    assert graphed.trainer.active_engine == "cudagraph" and _replays() > 0
+    assert_runs_match(eager, graphed)

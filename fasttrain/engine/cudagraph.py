@@ -80,7 +80,7 @@ from fasttrain.engine.graph_eval import GraphedEvaluation
 from fasttrain.engine.host_state import HostStateWatch
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
-from fasttrain.engine.step_guards import ReplayGuards, changed_value_reason
+from fasttrain.engine.step_guards import FramesRun, ReplayGuards, changed_value_reason
 from fasttrain.kernels import hold_chunk_tables
 
 class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
@@ -357,7 +357,10 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
             # the clip kernels' chunk tables are addressed by the graph: it keeps them alive
             with hold_chunk_tables() as tables:
                 zero_grad = self._captured_zero_grad()
-                graph, (batch_output, norm) = self._capture_lent(lambda: self._train_body(static.tree, update, zero_grad))
+                frames = FramesRun(lambda: self._hook)
+                graph, (batch_output, norm) = self._capture_lent(
+                    lambda: frames.run(lambda: self._train_body(static.tree, update, zero_grad))
+                )
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
             if any(p.grad is not grad for p, grad in grads):
                 raise CaptureRefused(
@@ -369,7 +372,11 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
                 # the warm-up compiled everything a capture runs, unless the step's Python reads a
                 # value that changed since (compile_events.py): that value would replay for good
                 raise StaleCapture(stale_capture_reason(compiles))
-            guards = self._replay_guards(static.tree, update)
+            guards = self._replay_guards(static.tree, update, frames)
+            uncompiled = frames.uncompiled_reason()  # the user's code no guard checks (the reasons above say more)
+            if uncompiled is not None:
+                self._hook = frames.uncompiled[0]
+                raise CaptureRefused(uncompiled)
         except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
@@ -397,9 +404,10 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         self._graphed_model = self.trainer.model
         return self._replay(captured, batch, update)
 
-    def _replay_guards(self, batch, update: bool) -> ReplayGuards:
+    def _replay_guards(self, batch, update: bool, frames: FramesRun) -> ReplayGuards:
         # Right after a capture: the guards of the compiled variants it ran, with the arguments
-        # each call gets (the graph reads its batch from the static buffers; step_guards.py)
+        # each call gets (the graph reads its batch from the static buffers; step_guards.py), and
+        # those of the other compiled frames it ran (after graph breaks, compiled regions)
         codes, ctx = self._functions.codes, self.ctx
         calls = [(TRAIN_HOOK, codes[TRAIN_HOOK], lambda: {"ctx": ctx, "batch": batch})]
         if update:
@@ -407,7 +415,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         # the hooks the step's eager code calls compiled (fasttrain.lightning: on_before_backward
         # and on_after_backward, the module's and the callbacks')
         calls += ctx.host_effects.guarded_calls()
-        return ReplayGuards.taken(calls)
+        return ReplayGuards.taken(calls, frames)
 
     def _values_changed(self, captured: CapturedStep) -> Optional[tuple]:
         # ``(hook, guard)`` where the step's Python would now run other compiled code than the

@@ -35,7 +35,7 @@ from fasttrain.engine.compiled import CompiledEngine, _is_control_flow
 from fasttrain.engine.compiled_functions import EVAL_HOOK
 from fasttrain.engine.graph_buffers import CapturedStep, StaticBatch, StepRing, batch_signature
 from fasttrain.engine.host_state import HostStateWatch
-from fasttrain.engine.step_guards import ReplayGuards, changed_value_reason
+from fasttrain.engine.step_guards import FramesRun, ReplayGuards, changed_value_reason
 
 
 class GraphedEvaluation:
@@ -131,13 +131,19 @@ class GraphedEvaluation:
         compiles = CompileMark()
         host_state = HostStateWatch(self._hook_owners())
         try:
-            graph, batch_output = self._capture_lent(body)
+            frames = FramesRun(lambda: self._hook)
+            graph, batch_output = self._capture_lent(lambda: frames.run(body))
             taken = effects.taken_since(mark)  # raises where a replay could not redo them
             refuse_changed(host_state)  # predictions appended to a list, say
             if compiles.saw_changed_values():
                 raise StaleCapture(stale_capture_reason(compiles))  # as in training
             ctx, tree = self.ctx, static.tree
-            guards = ReplayGuards.taken([(EVAL_HOOK, self._functions.codes[EVAL_HOOK], lambda: {"ctx": ctx, "batch": tree})])
+            guards = ReplayGuards.taken(
+                [(EVAL_HOOK, self._functions.codes[EVAL_HOOK], lambda: {"ctx": ctx, "batch": tree})], frames
+            )
+            uncompiled = frames.uncompiled_reason()  # the user's code no guard checks (as in training)
+            if uncompiled is not None:
+                raise CaptureRefused(uncompiled)
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
