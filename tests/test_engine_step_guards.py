@@ -283,19 +283,24 @@ class AlternatingModelScale(TrainerCallback):
         trainer.model.scale = (1.0, 0.5)[(trainer.run_history.current_epoch - 1) % 2]
 
 
-def _regional_stack():
-    model = ScaledStack()
-    compile_regions(model, _Block, backend="aot_eager")
-    return model
+def _regional_runs(stack_class):
+    """A stack of ``stack_class`` with its blocks compiled as regions, trained eagerly and on the
+    graphed engine with its scale alternating by epoch: ``(eager, graphed, fasttrain's warnings)``."""
+
+    def model():
+        stack = stack_class()
+        compile_regions(stack, _Block, backend="aot_eager")
+        return stack
+
+    case = Case(model=model, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), data=vector_data, epochs=3)
+    return eager_and(case, "cudagraph", AOT, callbacks=[AlternatingModelScale()], eval_dataset=None)
 
 
 def test_a_forward_that_runs_uncompiled_inside_the_step_is_not_captured():
     # compile_regions breaks the graph at each block, inside the forward's loop, so dynamo runs
     # the forward as written: its scale would be replayed as the capture saw it (the stand-in's
     # replay refused the third epoch's before), and no guard holds it
-    case = Case(model=_regional_stack, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
-                data=vector_data, epochs=3)
-    eager, graphed, messages = eager_and(case, "cudagraph", AOT, callbacks=[AlternatingModelScale()], eval_dataset=None)
+    eager, graphed, messages = _regional_runs(ScaledStack)
     assert len(messages) == 1, messages
     assert "'calculate_train_batch_loss' hook cannot run in the 'cudagraph' engine" in messages[0]
     assert "ScaledStack.forward" in messages[0] and "runs uncompiled inside the captured step" in messages[0]
@@ -320,18 +325,10 @@ class UnrolledScaledStack(ScaledStack):
         return self.head(x) * self.scale
 
 
-def _unrolled_regional_stack():
-    model = UnrolledScaledStack()
-    compile_regions(model, _Block, backend="aot_eager")
-    return model
-
-
 def test_regions_called_one_by_one_keep_the_graphs_and_their_scale_is_checked():
     # every frame of the step is compiled (the code after each block a resume function): the
     # scale, read after the last block's break, is guarded there and checked before each replay
-    case = Case(model=_unrolled_regional_stack, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
-                data=vector_data, epochs=3)
-    eager, graphed, messages = eager_and(case, "cudagraph", AOT, callbacks=[AlternatingModelScale()], eval_dataset=None)
+    eager, graphed, messages = _regional_runs(UnrolledScaledStack)
     assert messages == []
     engine = graphed.trainer._engine
     assert engine.active_engine == "cudagraph" and _replays() > 0
