@@ -12,7 +12,7 @@ from torch import nn
 
 from fasttrain import Trainer
 from fasttrain.callbacks import TrainerCallback
-from fasttrain.engine.step_guards import FramesRun, ReplayGuards, _arguments, _recorded, _users_code
+from fasttrain.engine.step_guards import FramesRun, ReplayGuards, _arguments, _reads_nothing, _recorded, _users_code
 from fasttrain.regional import compile_regions
 
 from engine_cases import Case, assert_runs_match, eager_and, mlp_case, vector_data
@@ -313,6 +313,29 @@ def test_the_users_code_is_told_from_the_libraries_that_run_the_step():
     assert _users_code(ScaledStack.forward.__code__)
     assert not _users_code(nn.Linear.forward.__code__) and not _users_code(Trainer.backward_step.__code__)
     assert not _users_code(compile("x = 1", "<eval_with_key>.3", "exec"))  # generated (an FX graph's)
+
+
+def _returns_an_argument(a, b):
+    c = a
+    return c
+
+
+def _reads_an_attribute(holder):
+    return holder.k
+
+
+def _branches(a):
+    if a:
+        return 1
+    return 2
+
+
+def test_a_function_that_reads_nothing_may_run_uncompiled():
+    # dynamo skips a function it traced no operation in (torch 2.11: what is left of a hook
+    # after its last graph break, `return None`): it reads nothing a replay would freeze
+    assert _reads_nothing(_returns_an_argument.__code__)
+    assert not _reads_nothing(_reads_an_attribute.__code__) and not _reads_nothing(_branches.__code__)
+    assert not _reads_nothing(ScaledStack.forward.__code__)
 
 
 class UnrolledScaledStack(ScaledStack):

@@ -35,6 +35,7 @@ frames per update, a few microseconds of guard checks on the host before each re
 
 from __future__ import annotations
 
+import dis
 import inspect
 import os
 import sys
@@ -183,7 +184,7 @@ class FramesRun:
                 code = _compiled_from.get(frame.f_code)
                 if code is not None:
                     self._note(code, frame)
-                elif self.uncompiled is None and _users_code(frame.f_code):
+                elif self.uncompiled is None and _users_code(frame.f_code) and not _reads_nothing(frame.f_code):
                     self.uncompiled = (self._hook(), frame.f_code)
             if previous is not None:
                 previous(frame, event, arg)
@@ -258,6 +259,40 @@ def _users_code(code: types.CodeType) -> bool:
     users = not filename.startswith("<") and not os.path.realpath(filename).startswith(_LIBRARY_ROOTS)
     _USERS[code] = users
     return users
+
+
+#: what a function may run and still read nothing but its arguments and constants: no attribute,
+#: global, call, subscript or branch (Python 3.11 and 3.12 opcode names)
+_READS_NOTHING = frozenset({
+    "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "LOAD_CONST", "LOAD_FAST", "LOAD_FAST_CHECK",
+    "LOAD_FAST_AND_CLEAR", "STORE_FAST", "DELETE_FAST", "POP_TOP", "COPY", "SWAP", "BUILD_TUPLE",
+    "JUMP_FORWARD", "RETURN_VALUE", "RETURN_CONST",
+})
+_READS: Dict[types.CodeType, bool] = {}
+
+
+def _reads_nothing(code: types.CodeType) -> bool:
+    """Whether a function, run from its start, only moves its arguments and constants to its
+    return (following its forward jumps): then nothing a replay would freeze is read there. Such
+    frames run uncompiled by design: dynamo skips a function it traced no operation in, such as
+    what is left of a hook after its last graph break (``return None``)."""
+    known = _READS.get(code)
+    if known is not None:
+        return known
+    listed = list(dis.get_instructions(code))
+    at = {instruction.offset: index for index, instruction in enumerate(listed)}
+    index, result = 0, False
+    while index < len(listed):
+        instruction = listed[index]
+        if instruction.opname not in _READS_NOTHING:
+            break
+        if instruction.opname in ("RETURN_VALUE", "RETURN_CONST"):
+            result = True
+            break
+        # forward only: no loop
+        index = at.get(instruction.argval, len(listed)) if instruction.opname == "JUMP_FORWARD" else index + 1
+    _READS[code] = result
+    return result
 
 
 try:  # the code object each compiled variant was made from (dynamo's own map)
