@@ -339,25 +339,35 @@ class _StandIn:
         return tensor.requires_grad_(self.requires_grad)
 
 
+def _plain_map(value, leaf: Callable):
+    """``value`` with ``leaf`` applied to everything but the plain lists, tuples and dicts in it,
+    which are rebuilt around their items (a recorded call's arguments, as dynamo guards them)."""
+    kind = type(value)
+    if kind in (list, tuple):
+        return kind(_plain_map(item, leaf) for item in value)
+    if kind is dict:
+        return {key: _plain_map(item, leaf) for key, item in value.items()}
+    return leaf(value)
+
+
 def _recorded(value, memo: dict):
     """``value``, an argument of a call a capture ran, with each plain tensor in it recorded
     (:class:`_Recorded`). Within one ``memo`` (one call's arguments, all alive) one tensor met
     twice is one record and tensors that share a storage have stand-ins that share one, so that
-    dynamo's aliasing guards see what the call saw. Plain lists, tuples and dicts are rebuilt
-    around their items; anything else is kept as it is (parameters, the trainer)."""
-    kind = type(value)
-    if kind is torch.Tensor:
-        record = memo.get(id(value))
-        if record is None:
-            stand_in = _stand_in(value, memo)
+    dynamo's aliasing guards see what the call saw. Anything else is kept as it is (parameters,
+    the trainer)."""
+
+    def record(item):
+        if type(item) is not torch.Tensor:
+            return item
+        kept = memo.get(id(item))
+        if kept is None:
+            stand_in = _stand_in(item, memo)
             # a tensor no stand-in can take the place of is kept with the record
-            record = memo[id(value)] = _Recorded(value, stand_in) if stand_in is not None else value
-        return record
-    if kind in (list, tuple):
-        return kind(_recorded(item, memo) for item in value)
-    if kind is dict:
-        return {key: _recorded(item, memo) for key, item in value.items()}
-    return value
+            kept = memo[id(item)] = _Recorded(item, stand_in) if stand_in is not None else item
+        return kept
+
+    return _plain_map(value, record)
 
 
 def _stand_in(tensor: torch.Tensor, memo: dict) -> Optional[_StandIn]:
@@ -374,51 +384,32 @@ def _stand_in(tensor: torch.Tensor, memo: dict) -> Optional[_StandIn]:
     return stand_in
 
 
-def _resolved(value):
-    """A recorded argument for the guard checks, once the capture ended: a tensor still alive
-    (a parameter, its gradient, the optimizer's state, the static batch, an output the graph
-    keeps: held elsewhere anyway) as itself, since dynamo guards some by identity; one the step
-    freed (an activation in the graphs' pool) as its :class:`_StandIn`."""
-    kind = type(value)
-    if kind is _Recorded:
-        tensor = value.tensor()
-        return tensor if tensor is not None else value.stand_in
-    if kind in (list, tuple):
-        return kind(_resolved(item) for item in value)
-    if kind is dict:
-        return {key: _resolved(item) for key, item in value.items()}
-    return value
-
-
-def _has_stand_ins(value) -> bool:
-    kind = type(value)
-    if kind is _StandIn:
-        return True
-    if kind in (list, tuple):
-        return any(_has_stand_ins(item) for item in value)
-    if kind is dict:
-        return any(_has_stand_ins(item) for item in value.values())
-    return False
-
-
-def _with_tensors(value, made: dict):
-    """``value`` with a tensor made for each stand-in in it (:meth:`_StandIn.tensor`)."""
-    kind = type(value)
-    if kind is _StandIn:
-        return value.tensor(made)
-    if kind in (list, tuple):
-        return kind(_with_tensors(item, made) for item in value)
-    if kind is dict:
-        return {key: _with_tensors(item, made) for key, item in value.items()}
-    return value
-
-
 def _arguments(recorded: dict) -> Callable[[], dict]:
-    """The arguments of a recorded call for each check, once the capture ended (``_resolved``)."""
-    resolved = _resolved(recorded)
-    if not _has_stand_ins(resolved):
-        return lambda: resolved
-    return lambda: _with_tensors(resolved, {})
+    """The arguments of a recorded call for each check, once the capture ended: a tensor still
+    alive (a parameter, its gradient, the optimizer's state, the static batch, an output the
+    graph keeps: held elsewhere anyway) as itself, since dynamo guards some by identity; one the
+    step freed (an activation in the graphs' pool) as a tensor its :class:`_StandIn` makes for
+    the check."""
+    stand_ins = []
+
+    def resolved(item):
+        if type(item) is not _Recorded:
+            return item
+        tensor = item.tensor()
+        if tensor is not None:
+            return tensor
+        stand_ins.append(item.stand_in)
+        return item.stand_in
+
+    arguments = _plain_map(recorded, resolved)
+    if not stand_ins:
+        return lambda: arguments
+
+    def with_tensors():
+        made = {}  # this check's tensors and their storages
+        return _plain_map(arguments, lambda item: item.tensor(made) if type(item) is _StandIn else item)
+
+    return with_tensors
 
 
 #: a storage of a size at a data pointer it does not own (here 0: nothing is read)
