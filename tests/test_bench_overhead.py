@@ -57,6 +57,17 @@ def test_the_overhead_workload_steps_with_fused_adamw_and_the_others_with_torchs
     assert not plain.defaults["fused"] and mlp.describe()["optimizer"] == "AdamW"
 
 
+def test_the_language_models_step_with_fused_adamw_on_cuda_only(monkeypatch):
+    # the workload is built without a GPU: only pinning the batches needs one
+    monkeypatch.setattr("fasttrain.bench.workloads._pinned", lambda t, device: t)
+    on_cuda = make_workload("gpt", size="tiny", device="cuda")
+    assert on_cuda.optimizer_options == {"fused": True}
+    assert on_cuda.describe()["optimizer"] == "AdamW(fused=True)"
+    on_cpu = make_workload("gpt", size="tiny", device="cpu")
+    assert on_cpu.optimizer_options == {} and on_cpu.describe()["optimizer"] == "AdamW"
+    assert make_workload("mlp", device="cuda").optimizer_options == {}
+
+
 def test_every_peer_fetches_a_batch_with_one_getitems_call(monkeypatch):
     calls = {"batches": 0, "samples": 0}
     items, item = SyntheticBatches.__getitems__, SyntheticBatches.__getitem__
