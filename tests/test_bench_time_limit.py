@@ -11,7 +11,9 @@ import torch
 
 import fasttrain.bench.runner as R
 from fasttrain.bench.peers import make_peer
-from fasttrain.bench.time_limit import MIN_REPEATS, MIN_STEPS, TimeLimit, fit_schedule, step_work, steps_that_fit
+from fasttrain.bench.time_limit import (
+    MIN_REPEATS, MIN_STEPS, MIN_WARMUP, TimeLimit, fit_schedule, step_work, steps_that_fit,
+)
 from fasttrain.bench.workloads import make_workload
 
 
@@ -21,8 +23,17 @@ def test_fit_cuts_repeats_then_steps_then_the_last_repeat():
     steps, warmup, repeats = fit_schedule(0.002, 10, 100.0, steps=500, warmup=50, repeats=5)
     assert (steps, warmup, repeats) == (250, 25, MIN_REPEATS)  # repeats first, then steps with warm-up
     assert 10 * step_work(steps, warmup, repeats) * 2 * 0.002 <= 40.0
-    assert fit_schedule(0.1, 10, 100.0, steps=40, warmup=10, repeats=3) == (MIN_STEPS, 5, 1)  # the smallest
+    assert fit_schedule(0.1, 10, 100.0, steps=40, warmup=10, repeats=3) == (MIN_STEPS, MIN_WARMUP, 1)  # the smallest
     assert fit_schedule(1e-6, 10, 100.0, steps=40, warmup=10, repeats=3) == (40, 10, 3)  # nothing to cut
+
+
+def test_a_cut_leaves_the_warm_up_a_fresh_run_captures_its_graphs_in():
+    # the H200's MLP: the bare loop's 1.6 ms a step, 4 peers, 40 s; 2,000 steps after 50 were
+    # cut to 250 after 6, and a Lightning fit's capture fell into the measured steps
+    steps, warmup, repeats = fit_schedule(0.0016, 4, 40.0, steps=2000, warmup=50, repeats=3)
+    assert steps < 2000 and warmup == MIN_WARMUP >= 8
+    # never more warm-up than asked for
+    assert fit_schedule(0.1, 10, 100.0, steps=40, warmup=3, repeats=3) == (MIN_STEPS, 3, 1)
 
 
 def test_steps_that_fit_one_repeat():

@@ -366,3 +366,66 @@ def test_the_code_inductor_generates_is_not_taken_for_the_users():
     assert messages == []
     assert graphed.trainer.active_engine == "cudagraph" and _replays() > 0
     assert_runs_match(eager, graphed)
+
+
+
+class _Scratch:
+    """State a step keeps between two of its parts and clears at its end."""
+
+    parts: list = []
+
+
+class KeepsScratchAcrossABreak(Trainer):
+    def calculate_train_batch_loss(self, batch):
+        output = super().calculate_train_batch_loss(batch)
+        _Scratch.parts = [output["loss"]]
+        torch._dynamo.graph_break()
+        output["loss"] = sum(_Scratch.parts) * 1.0
+        _Scratch.parts = []
+        return output
+
+
+def test_a_frame_reading_state_the_step_sets_and_clears_is_refused_at_its_capture():
+    # Its guards fail between steps (the list is empty then), so every replay would be refused
+    # and captured again; the capture is refused at once instead, with the guard named, and
+    # the step trains compiled, as eager does
+    case = mlp_case(epochs=2, trainer_cls=KeepsScratchAcrossABreak)
+    eager, graphed, messages = eager_and(case, "cudagraph", AOT, eval_dataset=None)
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "compiled" and engine._recaptures == 0
+    refusals = [m for m in messages if "sets and clears" in m]
+    assert len(refusals) == 1 and "calculate_train_batch_loss" in refusals[0], messages
+    assert "len(G['_Scratch'].parts) == 1" in refusals[0] or "_Scratch" in refusals[0], refusals[0]
+    assert_runs_match(eager, graphed)
+
+def test_plain_sgds_masked_skip_keeps_its_graphs_and_eagers_weights(monkeypatch):
+    # The masked skip (a GPU's nonfinite="skip" for SGD, Adam, AdamW) keeps the parameters'
+    # copies on itself during the optimizer's step; the frame after the step's graph break
+    # guards on them. Checked between steps, that guard failed before every replay, and the
+    # graphs were dropped and captured again at each first replay, without a warning.
+    import functools
+
+    from torch.utils.data import TensorDataset
+
+    from fasttrain.engine import masked_step
+
+    monkeypatch.setattr(masked_step, "host_read_is_free", lambda device: False)
+    case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=2, create_scheduler_fn=None)
+    case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+    x, y = case.data().tensors
+    x = x.clone()
+    x[58, 1] = float("inf")
+    case.data = lambda: TensorDataset(x, y)
+    eager, graphed, messages = eager_and(case, "cudagraph", AOT, eval_dataset=None)
+    assert messages == []
+    engine = graphed.trainer._engine
+    assert engine.active_engine == "cudagraph" and set(engine._train_graphs) == {False, True}
+    assert engine._recaptures == 0 and _replays() > 0
+    assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 2
+    # the poisoned batches' losses are not finite in both runs
+    e, a = eager.recorder, graphed.recorder
+    torch.testing.assert_close(torch.tensor(a.train), torch.tensor(e.train), rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert sum(not torch.isfinite(torch.tensor(v)) for v in e.train) == 2
+    assert eager.state.keys() == graphed.state.keys()
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)

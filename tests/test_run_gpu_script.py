@@ -110,7 +110,7 @@ def test_part_all_fits_nine_minutes_as_its_gpu_schedule_shows():
     first = slots[0][1]
     assert [n for n, _ in first[0]] == ["pytest-gpu"] and {n for n, _ in first[1]} == {"check-mlp", "check-hf-gpt2"}
     assert [reserved for reserved, _ in slots] == [False] * len(slots)
-    assert [(False, [[("bench-overhead", 60)]])] == [s for s in slots if s[1][0][0][0] == "bench-overhead"]
+    assert [(False, [[("bench-overhead", 45)]])] == [s for s in slots if s[1][0][0][0] == "bench-overhead"]
     # every bench is told its limit (3x on this CPU) less the margin, and the GPU run's sizes
     commands = {line.split(" (limit ")[0]: line for line in lines if " (limit " in line}
     assert set(commands) == {n for reserved, lanes in slots if not reserved for lane in lanes for n, _ in lane}
@@ -120,7 +120,7 @@ def test_part_all_fits_nine_minutes_as_its_gpu_schedule_shows():
                 continue
             assert f"--time-limit {3 * limit - scalar['BENCH_MARGIN_S']}" in commands[name]
     assert "--size 124m --batch-size 16 --precision bf16" in commands["bench-hf-gpt2"]
-    assert "--peers bare,compiled-model,fasttrain-compiled,fasttrain-cudagraph " in commands["bench-hf-gpt2"]
+    assert "--peers bare,compiled-model,fasttrain-cudagraph,fasttrain-compiled " in commands["bench-hf-gpt2"]
     assert "--sizes cuda" in commands["check-hf-gpt2"]
 
 
@@ -128,18 +128,18 @@ def test_the_host_overhead_bench_runs_every_engine_in_its_slot_and_a_commented_l
     result = _sh("--part", "all", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "reserved:" not in result.stdout
-    line = next(l for l in result.stdout.splitlines() if l.startswith("bench-overhead (limit 60s): "))
-    assert "bench --device cuda" in line and "--workload overhead" in line and "--time-limit 52" in line
+    line = next(l for l in result.stdout.splitlines() if l.startswith("bench-overhead (limit 45s): "))
+    assert "bench --device cuda" in line and "--workload overhead" in line and "--time-limit 37" in line
     # commenting a line out keeps its room in the worst case without running it
     text = open(SCRIPT).read()
-    assert text.count("\nbench-overhead=60\n") == 1
+    assert text.count("\nbench-overhead=45\n") == 1
     (tmp_path / "benchmarks").mkdir()
     script = tmp_path / "benchmarks" / "run_gpu.sh"  # the script runs from the repository it lies in
-    script.write_text(text.replace("\nbench-overhead=60\n", "\n#bench-overhead=60\n"))
+    script.write_text(text.replace("\nbench-overhead=45\n", "\n#bench-overhead=45\n"))
     result = subprocess.run(["bash", str(script), "--part", "all", "--dry-run"],
                             capture_output=True, text=True, timeout=60, env=_env())
     assert result.returncode == 0, result.stderr
-    assert "reserved: bench-overhead=60" in result.stdout
+    assert "reserved: bench-overhead=45" in result.stdout
     assert not any(l.startswith("bench-overhead (limit") for l in result.stdout.splitlines())
 
 

@@ -8,7 +8,7 @@ every peer finished. So, given a limit, the run is sized to end inside it:
    every peer's set-up (``3W + N`` steps) and repeats (``2W + N`` each) would take more than
    ``STEP_WORK_SHARE`` of the time left, at ``PEER_SPREAD`` times the first peer's step time,
    the repeats are cut (to ``MIN_REPEATS``), then the steps and warm-up (in proportion, to
-   ``MIN_STEPS``), then the repeats to one. The rest of the time is for what no step time
+   ``MIN_STEPS`` and ``MIN_WARMUP``), then the repeats to one. The rest of the time is for what no step time
    predicts: compiling, capturing and building the other peers.
 2. A later peer's set-up may use the time left less what the repeats need: one repeat of the
    peers set up by then (at ``REPEAT_MARGIN``), and at least ``TIMING_SHARE`` of the limit
@@ -35,6 +35,11 @@ STEP_WORK_SHARE = 0.4
 PEER_SPREAD = 2.0
 MIN_REPEATS = 2
 MIN_STEPS = 20
+#: the fewest warm-up steps a cut leaves (fewer only where fewer were asked for): a peer that
+#: starts a run anew on each call (a Lightning ``fit``) warms up and captures its CUDA graphs
+#: in its first steps each time; the shorter call of a timed pair must hold them, or the
+#: pair's difference bills them to the measured steps
+MIN_WARMUP = 8
 #: a repeat starts only when this many times its expected duration is left
 REPEAT_MARGIN = 1.2
 #: the share of the limit that set-ups always leave to the timed repeats
@@ -62,7 +67,7 @@ def fit_schedule(
             repeats -= 1
         elif steps > MIN_STEPS:
             new_steps = max(MIN_STEPS, steps // 2)
-            warmup = max(1, round(warmup * new_steps / steps))
+            warmup = max(min(warmup, MIN_WARMUP), round(warmup * new_steps / steps))
             steps = new_steps
         elif repeats > 1:
             repeats = 1

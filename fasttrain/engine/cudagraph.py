@@ -80,7 +80,7 @@ from fasttrain.engine.graph_eval import GraphedEvaluation
 from fasttrain.engine.host_state import HostStateWatch
 from fasttrain.engine.replay_guard import CaptureRecord
 from fasttrain.engine.snapshot import ReferenceSnapshot
-from fasttrain.engine.step_guards import FramesRun, ReplayGuards, changed_value_reason
+from fasttrain.engine.step_guards import FramesRun, ReplayGuards, changed_value_reason, unverifiable_reason
 from fasttrain.kernels import hold_chunk_tables
 
 class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
@@ -373,6 +373,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
                 # value that changed since (compile_events.py): that value would replay for good
                 raise StaleCapture(stale_capture_reason(compiles))
             guards = self._replay_guards(static.tree, update, frames)
+            self._refuse_unverifiable(guards)
             uncompiled = frames.uncompiled_reason()  # the user's code no guard checks (the reasons above say more)
             if uncompiled is not None:
                 self._hook = frames.uncompiled[0]
@@ -423,8 +424,19 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         guards = captured.guards
         if guards is None:
             return None
+        return self._guards_failure(guards)
+
+    def _guards_failure(self, guards: ReplayGuards) -> Optional[tuple]:
         hparams = self._hparams
         return guards.failure() if hparams is None else hparams.lent(guards.failure)
+
+    def _refuse_unverifiable(self, guards: ReplayGuards) -> None:
+        # Right after the capture nothing outside the step has run: a guard that fails now reads
+        # what the step itself sets and clears, and would fail before every replay
+        failed = self._guards_failure(guards)
+        if failed is not None:
+            self._hook = failed[0]
+            raise CaptureRefused(unverifiable_reason(failed[1]))
 
     def _capture_lent(self, body):
         # The compiled functions are captured reading the held hyperparameter tensors, lent to

@@ -95,6 +95,11 @@ class MaskedStep:
             self._copies = [t.detach().clone() for t in tensors]
         self._tensors = tensors
 
+    # Kept out of dynamo: traced, the frame that runs this hook would guard on the copies, which
+    # exist only between the two hooks, so a check of its guards between steps (the graphed
+    # engine's before each replay, fasttrain/engine/step_guards.py) would fail every time. The
+    # selects run as they are, recorded in a CUDA graph like the rest of the step.
+    @torch.compiler.disable
     def _after(self, optimizer, args, kwargs) -> None:
         if not self.armed or not self._tensors:
             return

@@ -133,6 +133,18 @@ def _failed(name: str, guards, values: dict) -> Optional[Tuple[str, str]]:
     return name, " ".join(str(parts[0]).split()) if parts else "a guard"
 
 
+def unverifiable_reason(guard: str) -> str:
+    """Why a capture whose guards fail right after it (nothing outside the step ran yet) is not
+    kept: a frame of the step reads state the step itself sets and clears, which a check
+    between steps cannot see as the frame did."""
+    return (
+        "a compiled frame of the step reads state that the step itself sets and clears (dynamo's guard "
+        f"that fails between steps: {guard[:300]}): checked before each replay it would fail every time, "
+        "so a replay could not be told apart from a stale one. Keep such state in local variables or "
+        "arguments, or train with engine='compiled'"
+    )
+
+
 def changed_value_reason(guard: str) -> str:
     """What changed when a graph's guards fail, for a warning."""
     return f"a Python value the step's hooks read changed (dynamo's guard that fails now: {guard[:300]})"
