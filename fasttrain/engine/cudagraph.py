@@ -373,11 +373,7 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
                 # value that changed since (compile_events.py): that value would replay for good
                 raise StaleCapture(stale_capture_reason(compiles))
             guards = self._replay_guards(static.tree, update, frames)
-            self._refuse_unverifiable(guards)
-            uncompiled = frames.uncompiled_reason()  # the user's code no guard checks (the reasons above say more)
-            if uncompiled is not None:
-                self._hook = frames.uncompiled[0]
-                raise CaptureRefused(uncompiled)
+            self._refuse_unreplayable(guards, frames)
         except Exception as error:  # noqa: BLE001 - capture only records: nothing ran, redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
@@ -430,9 +426,15 @@ class CudaGraphEngine(DeviceCapture, GraphedEvaluation, CompiledEngine):
         hparams = self._hparams
         return guards.failure() if hparams is None else hparams.lent(guards.failure)
 
-    def _refuse_unverifiable(self, guards: ReplayGuards) -> None:
-        # Right after the capture nothing outside the step has run: a guard that fails now reads
-        # what the step itself sets and clears, and would fail before every replay
+    def _refuse_unreplayable(self, guards: ReplayGuards, frames: FramesRun) -> None:
+        # Right after a capture (training's or evaluation's), what no check before a replay could
+        # tell from a stale replay refuses it (the reasons say more): the user's code that ran
+        # uncompiled, which no guard checks; and a guard that fails already, when nothing outside
+        # the step has run, so reads what the step itself sets and clears
+        uncompiled = frames.uncompiled_reason()
+        if uncompiled is not None:
+            self._hook = frames.uncompiled[0]
+            raise CaptureRefused(uncompiled)
         failed = self._guards_failure(guards)
         if failed is not None:
             self._hook = failed[0]

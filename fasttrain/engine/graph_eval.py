@@ -141,10 +141,7 @@ class GraphedEvaluation:
             guards = ReplayGuards.taken(
                 [(EVAL_HOOK, self._functions.codes[EVAL_HOOK], lambda: {"ctx": ctx, "batch": tree})], frames
             )
-            self._refuse_unverifiable(guards)  # as in training
-            uncompiled = frames.uncompiled_reason()  # the user's code no guard checks (as in training)
-            if uncompiled is not None:
-                raise CaptureRefused(uncompiled)
+            self._refuse_unreplayable(guards, frames)  # as in training
         except Exception as error:  # noqa: BLE001 - evaluation mutates nothing: redo on the fallback
             effects.discard(mark)
             if _is_control_flow(error):
