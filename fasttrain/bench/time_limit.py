@@ -8,8 +8,8 @@ every peer finished. So, given a limit, the run is sized to end inside it:
    every peer's set-up (``3W + N`` steps) and repeats (``2W + N`` each) would take more than
    ``STEP_WORK_SHARE`` of the time left, at ``PEER_SPREAD`` times the first peer's step time,
    the repeats are cut (to ``MIN_REPEATS``), then the steps and warm-up (in proportion, to
-   ``MIN_STEPS`` and ``MIN_WARMUP``), then the repeats to one. The rest of the time is for what no step time
-   predicts: compiling, capturing and building the other peers.
+   ``MIN_STEPS`` and ``MIN_WARMUP``), then the repeats to one. The rest of the time is for what
+   no step time predicts: compiling, capturing and building the other peers.
 2. A later peer's set-up may use the time left less what the repeats need: one repeat of the
    peers set up by then (at ``REPEAT_MARGIN``), and at least ``TIMING_SHARE`` of the limit
    (``repeat_room``). When that is gone, the peer and the ones after it are skipped, and a set-up

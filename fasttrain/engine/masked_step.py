@@ -98,7 +98,9 @@ class MaskedStep:
     # Kept out of dynamo: traced, the frame that runs this hook would guard on the copies, which
     # exist only between the two hooks, so a check of its guards between steps (the graphed
     # engine's before each replay, fasttrain/engine/step_guards.py) would fail every time. The
-    # selects run as they are, recorded in a CUDA graph like the rest of the step.
+    # selects run as they are, recorded in a CUDA graph like the rest of the step; run eagerly,
+    # each select writes into its copy (no temporaries) and one multi-tensor copy puts them all
+    # back, rather than a copy launched per tensor.
     @torch.compiler.disable
     def _after(self, optimizer, args, kwargs) -> None:
         if not self.armed or not self._tensors:
@@ -107,7 +109,8 @@ class MaskedStep:
         skip = self.found_inf.reshape(()) > 0
         with torch.no_grad():
             for tensor, copy in zip(self._tensors, self._copies):
-                tensor.copy_(torch.where(skip, copy, tensor))
+                torch.where(skip, copy, tensor, out=copy)
+            torch._foreach_copy_(self._tensors, self._copies)
         self._tensors, self._copies = [], []
 
     def remove(self) -> None:
