@@ -12,6 +12,7 @@ Whether real capture works is for ``test_engine_cudagraph.py`` on a GPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import warnings
 
@@ -307,6 +308,31 @@ def test_graphed_steps_match_eager_and_replay_from_the_ring():
     # to share a pool whose graphs were all freed
     assert HostGraphEngine.new_pools == 3
     assert_runs_match(eager, graphed)
+
+
+@pytest.mark.parametrize("trainer_cls", [Trainer, HostReadingTrainer], ids=["captured", "refused"])
+def test_the_cyclic_collector_is_paused_in_every_capture_and_only_there(monkeypatch, trainer_cls):
+    # garbage collected inside a capture may free CUDA graphs, which invalidates the capture
+    collecting = []
+    record = HostGraphEngine._record
+
+    def recording(self, body):
+        collecting.append(gc.isenabled())
+        return record(self, body)
+
+    monkeypatch.setattr(HostGraphEngine, "_record", recording)
+    assert gc.isenabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graphed = run(mlp_case(trainer_cls, epochs=2), "cudagraph", AOT)
+    engine = graphed.trainer._engine
+    if trainer_cls is Trainer:  # training and evaluation graphs, at both shapes
+        assert engine.active_engine == engine.active_eval_engine == "cudagraph"
+        assert len(collecting) == len(HostGraphEngine.graphs) == 8
+    else:  # the training capture raised: the collector runs again after it, as before it
+        assert engine.active_engine == "compiled" and len(collecting) > len(HostGraphEngine.graphs)
+    assert collecting and not any(collecting)
+    assert gc.isenabled()
 
 
 def test_the_partial_batch_runs_first_with_no_graph_held_then_replays_its_own(monkeypatch):

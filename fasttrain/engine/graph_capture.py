@@ -9,6 +9,7 @@ run the engine's logic on the CPU with host stand-ins for streams, graphs and th
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
@@ -23,6 +24,22 @@ def _host_syncs_raise():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    # Python's cyclic collector runs at whatever allocation crosses its threshold. Inside a
+    # capture it may free garbage holding CUDA graphs (an earlier engine's, or graphs this one
+    # dropped when their guards failed): destroying a graph or handing back its pool is an
+    # operation a capturing stream does not permit, and it invalidates the capture. Paused here,
+    # the collector frees that garbage at its next run after the capture.
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 class DeviceCapture:
@@ -72,7 +89,8 @@ class DeviceCapture:
     def _capture(self, body):
         if self._pool is None or not self._graphs_held():
             self._new_pool()
-        return self._record(body)
+        with _collector_paused():
+            return self._record(body)
 
     def _record(self, body):
         graph = torch.cuda.CUDAGraph()
