@@ -157,6 +157,20 @@ def test_summary_ratios():
     assert rows["fasttrain-eager"]["ratio_vs_pytorch_accelerated"] == pytest.approx(2.0)
     assert rows["pytorch-accelerated"]["mfu"] == pytest.approx(100.0 * 25 / 1000)
     assert rows["lightning"]["status"] == "unavailable" and rows["lightning"]["steps_per_s_median"] is None
+    assert rows["fasttrain-eager"]["notes"] is None
+
+
+def test_a_rows_notes_say_what_compiled_after_warm_up():
+    peer = PeerResult("fasttrain-lightning", step_times=[0.01], recompiles=4, notes=["ran on 'cudagraph'"],
+                      recompile_reasons={"training_step: ___check_obj_id(self.trainer, 1)": 3})
+    bench = BenchResult(workload={"workload": "mlp", "size": "tiny", "items": "samples", "items_per_step": 10},
+                        settings={}, peers=[PeerResult("bare", step_times=[0.01]), peer])
+    row = {r["peer"]: r for r in summarize(bench)}["fasttrain-lightning"]
+    assert row["recompiles_after_warmup"] == 4
+    assert row["notes"] == (
+        "ran on 'cudagraph'; 4 compile(s) after warm-up: training_step: ___check_obj_id(self.trainer, 1) (x3); "
+        "1 frame(s) compiled for the first time"
+    )
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -248,3 +262,31 @@ def test_recompile_counter_stable_and_shape_change():
         compiled(torch.randn(5, 3))
     assert changed.recompiles > 0
     assert changed.new_graphs > 0
+    assert stable.reasons == []
+    assert len(changed.reasons) == 1 and changed.reasons[0].startswith("f: ")
+    assert "size" in changed.reasons[0]  # dynamo's words for the guard on the input's shape
+
+
+class _Scaled:
+    scale = 2.0
+
+
+def test_recompile_counter_names_a_frame_compiled_for_a_changed_python_value():
+    torch._dynamo.reset()
+
+    def scaled_sum(x):
+        return (x * _Scaled.scale).sum()
+
+    compiled = torch.compile(scaled_sum, backend="eager")
+    compiled(torch.ones(3))
+    try:
+        with RecompileCounter() as first_and_again:
+            compiled2 = torch.compile(lambda x: x + 1, backend="eager")
+            compiled2(torch.ones(3))  # a frame compiled for the first time: no guard failed
+            _Scaled.scale = 3.0
+            assert compiled(torch.ones(3)).item() == 9.0
+    finally:
+        _Scaled.scale = 2.0
+    assert first_and_again.recompiles == 2
+    assert len(first_and_again.reasons) == 1 and first_and_again.reasons[0].startswith("scaled_sum: ")
+    assert "scale" in first_and_again.reasons[0]

@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from collections import Counter
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -146,14 +146,18 @@ class RecompileCounter:
     costs a stall that steady-state training must not have.
 
     ``recompiles``: frames compiled inside the block. ``new_graphs``: graphs produced.
-    ``graph_breaks``: graph breaks met while compiling them.
+    ``graph_breaks``: graph breaks met while compiling them. ``reasons``: for each frame compiled
+    again because a guard failed, ``"function: guard"`` in dynamo's words; the other compiled
+    frames were compiled for the first time.
     """
 
     def __init__(self):
         self.recompiles = 0
         self.new_graphs = 0
         self.graph_breaks = 0
+        self.reasons: List[str] = []
         self._start = None
+        self._mark = None
 
     @staticmethod
     def _snapshot():
@@ -169,7 +173,10 @@ class RecompileCounter:
         )
 
     def __enter__(self) -> "RecompileCounter":
+        from fasttrain.engine.compile_events import CompileMark
+
         self._start = self._snapshot()
+        self._mark = CompileMark()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -179,6 +186,7 @@ class RecompileCounter:
         """Refresh the counts (also usable inside the block)."""
         now = self._snapshot()
         self.recompiles, self.new_graphs, self.graph_breaks = (a - b for a, b in zip(now, self._start))
+        self.reasons = [f"{name}: {guard}" for name, guard in self._mark.guard_failures()]
 
     def as_dict(self) -> Dict[str, int]:
         return {"recompiles": self.recompiles, "new_graphs": self.new_graphs, "graph_breaks": self.graph_breaks}

@@ -165,8 +165,21 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
             if p.invalid_repeats:
                 extra = f"{p.invalid_repeats} repeat(s) dropped as noise"
                 row["notes"] = f"{row['notes']}; {extra}" if row["notes"] else extra
+        if p.recompiles:
+            extra = recompiles_note(p.recompiles, p.recompile_reasons)
+            row["notes"] = f"{row['notes']}; {extra}" if row["notes"] else extra
         rows.append(row)
     return rows
+
+
+def recompiles_note(recompiles: int, reasons: Dict[str, int]) -> str:
+    """What compiled after warm-up, for a row's notes: each guard that failed (its first 160
+    characters), and how many frames compiled for the first time."""
+    again = sum(reasons.values())
+    parts = [f"{text[:160]} (x{n})" for text, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
+    if recompiles > again:
+        parts.append(f"{recompiles - again} frame(s) compiled for the first time")
+    return f"{recompiles} compile(s) after warm-up: " + "; ".join(parts)
 
 
 def _fmt(value, spec: str = ".3g", none: str = "n/a") -> str:

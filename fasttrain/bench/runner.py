@@ -69,6 +69,9 @@ class PeerResult:
     #: syncs per step by calling line, to find where a loop syncs.
     sync_sites: Dict[str, float] = field(default_factory=dict)
     recompiles: int = 0
+    #: why frames compiled again after warm-up (``"function: guard"``, dynamo's words) and how
+    #: often, over the counting pair and the timed repeats
+    recompile_reasons: Dict[str, int] = field(default_factory=dict)
     new_graphs: int = 0
     graph_breaks: int = 0
     peak_memory_mb: Optional[float] = None
@@ -294,6 +297,11 @@ class _Memory:
 _FALLBACK_WORDS = ("fall back", "falls back", "falling back", "fallback")
 
 
+def _add_reasons(result: PeerResult, counter: RecompileCounter) -> None:
+    for reason in counter.reasons:
+        result.recompile_reasons[reason] = result.recompile_reasons.get(reason, 0) + 1
+
+
 def _setup_peer(peer, result: PeerResult, warmup: int, steps: int, count_syncs: bool) -> None:
     """Build and warm up one peer, then count its syncs and recompiles per step."""
     wl = peer.workload
@@ -328,6 +336,7 @@ def _setup_peer(peer, result: PeerResult, warmup: int, steps: int, count_syncs: 
                     if long.by_site[(m, site)] > short.by_site[(m, site)]
                 }
                 result.recompiles += rc.recompiles
+                _add_reasons(result, rc)
                 result.new_graphs += rc.new_graphs
                 result.graph_breaks += rc.graph_breaks
             device_sync(wl.device)
@@ -546,6 +555,7 @@ def run_benchmark(
                             del peers[name]
                             continue
                         res.recompiles += rc.recompiles
+                        _add_reasons(res, rc)
                         res.new_graphs += rc.new_graphs
                         res.graph_breaks += rc.graph_breaks
                         this_repeat[name] = per_step
