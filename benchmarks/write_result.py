@@ -26,7 +26,7 @@ import json
 import os
 import re
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: the order the steps' sections appear in, whatever order they ran in
 STEP_ORDER = (
@@ -107,18 +107,32 @@ def log_tail(path: str) -> str:
     return tail if len(tail) == len(text.rstrip("\n")) else "[...]\n" + tail
 
 
-def pytest_section(log: str, junit: Optional[str] = None) -> str:
-    """pytest's summary line, the tests that failed or errored and, from its JUnit XML report
-    (``junit``, the path), each one's message whole (up to FAILURE_MESSAGE_CHARS): the summary
+def pytest_section(log: str, junit=None, crashes: Sequence[dict] = ()) -> str:
+    """pytest's summary line (one per run: benchmarks/gpu_tests.py runs it again after a crash),
+    the tests that crashed (``crashes``, from its crashes.json, with what the run printed about
+    the crash), the tests that failed or errored and, from the JUnit XML reports (``junit``, a
+    path or a list of them), each one's message whole (up to FAILURE_MESSAGE_CHARS): the summary
     lines are cut to the terminal's width and the log's tail may not reach the failures, while the
     GPU tests' messages carry their diagnostics (where memory sat at a peak, what a capture did)."""
     lines = log.splitlines()
     summary = [line for line in lines if re.search(r"\d+ (passed|failed|skipped|error|deselected)", line)]
     failed = [line.strip() for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    out = [f"`{summary[-1].strip('= ') if summary else 'no summary line (the run did not finish)'}`"]
-    if failed:
-        out += [""] + [f"- {line}" for line in failed]
-    messages = junit_failures(junit) if junit and os.path.exists(junit) else []
+    runs = len(summary) + len(crashes)
+    if not summary:
+        out = ["`no summary line (the run did not finish)`"]
+    elif runs > 1 or crashes:
+        out = [f"{len(crashes)} crash(es); pytest ran {runs} time(s), each after the last crash:", ""]
+        out += [f"- `{line.strip('= ')}`" for line in summary]
+    else:
+        out = [f"`{summary[-1].strip('= ')}`"]
+    for crash in crashes:
+        out += ["", f"- CRASHED `{crash.get('test')}` (signal {crash.get('signal')}), the run's last words:", "",
+                "  ```", *[f"  {line}" for line in crash.get("output", [])], "  ```"]
+    lost = [(f["test"], f.get("message", "")) for crash in crashes for f in crash.get("failed_before", [])]
+    if failed or lost:
+        out += [""] + [f"- {line}" for line in failed] + [f"- FAILED {test} (in a run that crashed later)" for test, _ in lost]
+    paths = [junit] if isinstance(junit, str) else list(junit or ())
+    messages = lost + [m for path in paths if os.path.exists(path) for m in junit_failures(path)]
     if messages:
         out += ["", "Failure messages (pytest's JUnit report):", ""]
         for test, message in messages:
@@ -154,8 +168,15 @@ def junit_failures(path: str) -> List[Tuple[str, str]]:
 def step_section(name: str, folder: str, log_path: str) -> str:
     """The Markdown a step contributes: its tables (every ``.md`` it wrote), or pytest's summary."""
     if name == "pytest-gpu":
-        junit = os.path.join(folder, "junit.xml")
-        return pytest_section(_read(log_path), junit) if os.path.exists(log_path) else ""
+        reports = sorted(glob.glob(os.path.join(folder, "junit*.xml")), key=lambda p: (len(p), p))
+        crashes_path = os.path.join(folder, "crashes.json")
+        crashes = []
+        if os.path.exists(crashes_path):
+            try:
+                crashes = json.loads(_read(crashes_path))
+            except ValueError:  # cut off while written
+                crashes = [{"test": "(crashes.json unreadable)", "signal": "?", "output": []}]
+        return pytest_section(_read(log_path), reports, crashes) if os.path.exists(log_path) else ""
     parts = [_drop_title(_read(path)) for path in sorted(glob.glob(os.path.join(folder, "*.md")))]
     return "\n\n".join(p for p in parts if p)
 

@@ -56,7 +56,7 @@ def _limits():
 
 def test_every_part_ends_well_inside_nine_minutes_when_every_step_times_out():
     limits, parts, scalar = _limits()
-    assert set(parts) == {"tests", "check", "check-gpt", "bench", "bench-gpt"}
+    assert set(parts) == {"tests", "check", "check-gpt", "bench", "bench-gpt", "overhead"}
     assert sorted(s for steps in parts.values() for s in steps) == sorted(limits)  # every step has a limit
     for part, steps in parts.items():
         total = sum(limits[s] for s in steps)
@@ -106,11 +106,11 @@ def test_part_all_fits_nine_minutes_as_its_gpu_schedule_shows():
     assert worst <= scalar["ALL_BUDGET_S"] == 9 * 60
     assert f"worst case (every step out of time, killed after {scalar['KILL_AFTER_S']} s, " in result.stdout
     assert result.stdout.count(f": {worst} s of 540 s") == 1
-    # the correctness checks run beside pytest; the host-overhead bench has its slot
+    # the correctness checks run beside pytest; the benches each alone
     first = slots[0][1]
     assert [n for n, _ in first[0]] == ["pytest-gpu"] and {n for n, _ in first[1]} == {"check-mlp", "check-hf-gpt2"}
     assert [reserved for reserved, _ in slots] == [False] * len(slots)
-    assert [(False, [[("bench-overhead", 45)]])] == [s for s in slots if s[1][0][0][0] == "bench-overhead"]
+    assert all(len(lanes) == 1 and len(lanes[0]) == 1 for _, lanes in slots[1:])
     # every bench is told its limit (3x on this CPU) less the margin, and the GPU run's sizes
     commands = {line.split(" (limit ")[0]: line for line in lines if " (limit " in line}
     assert set(commands) == {n for reserved, lanes in slots if not reserved for lane in lanes for n, _ in lane}
@@ -121,26 +121,32 @@ def test_part_all_fits_nine_minutes_as_its_gpu_schedule_shows():
             assert f"--time-limit {3 * limit - scalar['BENCH_MARGIN_S']}" in commands[name]
     assert "--size 124m --batch-size 16 --precision bf16" in commands["bench-hf-gpt2"]
     assert "--peers bare,compiled-model,fasttrain-cudagraph,fasttrain-compiled " in commands["bench-hf-gpt2"]
+    # the MLP bench times the peers of the MLP targets, and Lightning's own loop
+    targets = {peer for table, a, b, _ in W.TARGETS if table == "mlp-small" for peer in (a, b)}
+    peers = commands["bench-mlp"].split("--peers ")[1].split()[0].split(",")
+    assert set(peers) == targets | {"lightning"} and peers[0] == "bare"
     assert "--sizes cuda" in commands["check-hf-gpt2"]
 
 
-def test_the_host_overhead_bench_runs_every_engine_in_its_slot_and_a_commented_line_only_reserves(tmp_path):
-    result = _sh("--part", "all", "--dry-run")
+def test_the_host_overhead_bench_runs_every_engine_in_its_part_and_a_commented_line_only_reserves(tmp_path):
+    result = _sh("--part", "overhead", "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert "reserved:" not in result.stdout
-    line = next(l for l in result.stdout.splitlines() if l.startswith("bench-overhead (limit 45s): "))
-    assert "bench --device cuda" in line and "--workload overhead" in line and "--time-limit 37" in line
+    line = next(l for l in result.stdout.splitlines() if l.startswith("bench-overhead (limit 60s): "))
+    assert "bench --device cuda" in line and "--workload overhead" in line and "--time-limit 52" in line
+    assert "--peers bare,compiled,compiled-model,cudagraph,pytorch-accelerated,lightning," in line
+    result = _sh("--part", "all", "--dry-run")
+    assert result.returncode == 0 and "reserved:" not in result.stdout
     # commenting a line out keeps its room in the worst case without running it
     text = open(SCRIPT).read()
-    assert text.count("\nbench-overhead=45\n") == 1
+    assert text.count("\nbench-loss-accum=12\n") == 1
     (tmp_path / "benchmarks").mkdir()
     script = tmp_path / "benchmarks" / "run_gpu.sh"  # the script runs from the repository it lies in
-    script.write_text(text.replace("\nbench-overhead=45\n", "\n#bench-overhead=45\n"))
+    script.write_text(text.replace("\nbench-loss-accum=12\n", "\n#bench-loss-accum=12\n"))
     result = subprocess.run(["bash", str(script), "--part", "all", "--dry-run"],
                             capture_output=True, text=True, timeout=60, env=_env())
     assert result.returncode == 0, result.stderr
-    assert "reserved: bench-overhead=45" in result.stdout
-    assert not any(l.startswith("bench-overhead (limit") for l in result.stdout.splitlines())
+    assert "reserved: bench-loss-accum=12" in result.stdout
+    assert not any(l.startswith("bench-loss-accum (limit") for l in result.stdout.splitlines())
 
 
 def test_help_lists_the_options_and_parts():
@@ -156,7 +162,7 @@ def test_help_lists_the_options_and_parts():
     "args, message",
     [
         (["--bogus", "/tmp/x"], "unknown option --bogus"),
-        (["--part", "everything", "/tmp/x"], "--part must be one of tests check check-gpt bench bench-gpt all"),
+        (["--part", "everything", "/tmp/x"], "--part must be one of tests check check-gpt bench bench-gpt overhead all"),
         (["--device", "tpu", "/tmp/x"], "--device must be cuda or cpu"),
         (["--device", "cpu"], "give the output folder as the argument"),
         (["/tmp/x", "/tmp/y"], "one output folder only"),
@@ -416,4 +422,4 @@ def test_a_long_failure_message_is_cut_and_says_how_much_was_left_out(tmp_path, 
 def test_the_gpu_tests_step_writes_a_junit_report_where_the_result_file_reads_it():
     with open(os.path.join(ROOT, "benchmarks", "run_gpu.sh")) as f:
         script = f.read()
-    assert '--junitxml "$folder/junit.xml"' in script
+    assert 'benchmarks/gpu_tests.py --out "$folder" -- -m gpu' in script
