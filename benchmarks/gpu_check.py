@@ -138,22 +138,47 @@ def _made_by(frame) -> str:
     return ""
 
 
+#: modules on the stack only while torch compiles: dynamo's entry, inductor's compile of a graph
+#: (a backward's too, compiled at its first run) and the autotuning benchmarks, which wait for the
+#: device between timings. A sync made under them is the compiler's, paid once, not the step's.
+_COMPILING = (
+    "torch._dynamo.convert_frame",
+    "torch._inductor.compile_fx",
+    "torch._inductor.runtime.benchmarking",
+    "torch._inductor.select_algorithm",
+    "torch._inductor.autotune_process",
+    "triton.testing",
+)
+
+
+def _while_compiling(frame) -> bool:
+    """Whether a frame runs inside torch's compiler or its autotuning (see :data:`_COMPILING`)."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "") in _COMPILING:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class WarningLog:
     """Records every warning raised inside it, as ``warnings.catch_warnings(record=True)`` does
     (``records``), and beside each the frame that made it (``makers``, see :func:`_made_by`), so
     that CUDA syncs made in a third-party model's own code are told from the trainer's: the
     warning's ``filename`` is the innermost Python frame, which for a sync inside a counted
-    Tensor method is the counter's wrapper, whoever called it."""
+    Tensor method is the counter's wrapper, whoever called it. ``compiling``: beside each, whether
+    torch's compiler was on the stack (:func:`_while_compiling`)."""
 
     def __init__(self):
         self.records: List[warnings.WarningMessage] = []
         self.makers: List[str] = []
+        self.compiling: List[bool] = []
         self._context = None
 
     def _show(self, message, category, filename, lineno, file=None, line=None):
         self.records.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
         # frame 1 is the warnings module's dispatch; the walk skips it
         self.makers.append(_made_by(sys._getframe(1)))
+        self.compiling.append(_while_compiling(sys._getframe(1)))
 
     def __enter__(self) -> "WarningLog":
         self._context = warnings.catch_warnings(record=True)
@@ -169,9 +194,14 @@ class WarningLog:
     def __iter__(self):
         return iter(self.records)
 
-    def syncs(self) -> List[str]:
-        """The makers of the CUDA sync warnings recorded so far."""
-        return [maker for w, maker in zip(self.records, self.makers) if _is_sync_warning(w)]
+    def syncs(self, compiling: Optional[bool] = None) -> List[str]:
+        """The makers of the CUDA sync warnings recorded so far: all of them, or only those made
+        while torch compiled (``compiling=True``) or only the others (``False``)."""
+        return [
+            maker
+            for w, maker, during in zip(self.records, self.makers, self.compiling)
+            if _is_sync_warning(w) and (compiling is None or during == compiling)
+        ]
 
 
 class _Probe(TrainerCallback):

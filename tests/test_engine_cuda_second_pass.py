@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import warnings
 
 import pytest
@@ -20,6 +22,10 @@ from fasttrain.engine.eager import EagerEngine
 
 from engine_cases import fasttrain_warnings, held_hyperparams, mlp_case, run
 from memory_trace import recorded_history
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from gpu_check import WarningLog  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +48,9 @@ class SyncsPerUpdate(Trainer):
     """Records, for each optimizer update, the synchronisations ``set_sync_debug_mode("warn")``
     reports while the engine runs the update as training runs it (the compiled update, or the
     eager one after a fallback; the non-finite check included), and whether that check read the
-    flag on the host. Counted around the engine's update (:func:`count_update_syncs`), not inside
+    flag on the host. The updates that compile also make the compiler's syncs (inductor's
+    autotuning waits for the device between timings): those are counted apart, in
+    ``compile_syncs`` (benchmarks/gpu_check.py's WarningLog tells them by the stack). Counted around the engine's update (:func:`count_update_syncs`), not inside
     the hook: a hook kept out of dynamo to count in it would step the optimizer eagerly, where
     its tensor learning rate and betas are read on the host, which the compiled update never does.
     ``fall_back_after``: fall back to the eager engine after that many compiled updates (as a
@@ -53,6 +61,7 @@ class SyncsPerUpdate(Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.syncs = []
+        self.compile_syncs = []
         self.host_checks = []
 
 
@@ -61,11 +70,11 @@ def _counting(update):
         trainer = engine.trainer
         if not isinstance(trainer, SyncsPerUpdate):
             return update(engine)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with WarningLog() as caught:
             with sync_mode("warn"):
                 update(engine)
-        trainer.syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        trainer.syncs.append(len(caught.syncs(compiling=False)))
+        trainer.compile_syncs.append(len(caught.syncs(compiling=True)))
         trainer.host_checks.append(trainer._nonfinite.last_update_read_host)
         if len(trainer.syncs) == trainer.fall_back_after and engine.active_engine == "compiled":
             engine._fall_back_train(None, "test", EagerEngine, warn=False, redo=False)

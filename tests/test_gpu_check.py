@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py, the engine checks of the GPU run, in its CPU mode at tiny sizes."""
 
+import functools
 import json
 import os
 import sys
@@ -201,3 +202,22 @@ def test_cuda_syncs_are_attributed_to_the_frame_that_made_them(tmp_path, monkeyp
 def _line_of(text):
     lines = open(__file__).read().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line and "_line_of" not in line)
+
+
+def test_syncs_made_while_torch_compiles_are_told_from_the_steps():
+    """The first updates of a compiled step compile it; inductor's autotuning waits for the device
+    between its timings, and sync-debug mode reports each wait like a host read in the step
+    (2139 in the first update of a GPU test). A sync made with the compiler on the stack is the
+    compiler's: the log says so. Here a function whose module is inductor's benchmarking module
+    stands in for it."""
+    import warnings
+
+    sync = functools.partial(warnings.warn, "called a synchronizing CUDA operation", UserWarning, 1)
+    compiler = {"__name__": "torch._inductor.runtime.benchmarking", "sync": sync}
+    exec(compile("def benchmark(step):\n    sync()\n    step()\n", "benchmarking.py", "exec"), compiler)
+    with G.WarningLog() as log:
+        compiler["benchmark"](sync)  # two syncs under the autotuner: its own and the step's it times
+        sync()  # the step's, with no compiler on the stack
+        warnings.warn("not a sync")
+    assert log.compiling == [True, True, False, False]
+    assert len(log.syncs()) == 3 and len(log.syncs(compiling=True)) == 2 and len(log.syncs(compiling=False)) == 1
