@@ -23,6 +23,30 @@ def test_cpu_run_checks_and_reports_every_case(tmp_path):
     assert "CPU run: correctness and host time only" in text
 
 
+def test_a_run_stopped_after_its_first_set_keeps_that_sets_rows(tmp_path, monkeypatch):
+    # the device run's time limit may stop the bench: what it measured stays in its report
+    make_grads = B.make_grads
+    made = []
+
+    def stopping_after_one_set(shapes, dtype, device):
+        made.append(len(shapes))
+        if len(made) == 2:
+            raise KeyboardInterrupt("the step's time limit")
+        return make_grads(shapes, dtype, device)
+
+    monkeypatch.setattr(B, "make_grads", stopping_after_one_set)
+    with pytest.raises(KeyboardInterrupt):
+        B.main(["--device", "cpu", "--tiny", "--dtypes", "fp32", "--out", str(tmp_path)])
+    text = (tmp_path / "bench_clip.md").read_text()
+    assert "- partial: 1 of 2 gradient sets measured so far" in text
+    assert len([line for line in text.splitlines() if line.startswith("| gpt2-tiny")]) == 2 + 6
+    assert not any(line.startswith("| 50 small") for line in text.splitlines())
+    # a whole run says nothing of parts
+    monkeypatch.setattr(B, "make_grads", make_grads)
+    assert B.main(["--device", "cpu", "--tiny", "--dtypes", "fp32", "--out", str(tmp_path)]) == 0
+    assert "partial" not in (tmp_path / "bench_clip.md").read_text()
+
+
 def test_small_set_has_2000_tensors():
     count, cycle = B.SMALL
     assert len(B.small_shapes(count, cycle)) == 2000

@@ -144,9 +144,10 @@ class HostTimer:
     device_ms = host_ms
 
 
-def measure(grad_sets, timer, device):
+def measure(grad_sets, timer, device, after_set=None):
     """Rows ``(set, case, dtype, impl, device ms, host ms, bytes, speedup vs torch)`` and the copy
-    bandwidth (bytes/s) per gradient set and dtype."""
+    bandwidth (bytes/s) per gradient set and dtype. ``after_set(rows, copy_bw, done)``, when
+    given, is called after each gradient set with what was measured so far."""
     import copy_baseline
 
     import fasttrain.kernels as K
@@ -195,6 +196,8 @@ def measure(grad_sets, timer, device):
         del grads, params
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if after_set is not None:
+            after_set(rows, copy_bw, len(copy_bw))
     return rows, copy_bw
 
 
@@ -316,7 +319,17 @@ def main(argv=None):
     parser.add_argument("--enforce-targets", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
     device, timer, _ = kernel_bench_setup(parser, args, "bench_clip")
-    rows, copy_bw = measure(grad_sets(args.tiny, args.dtypes), timer, device)
+    sets = grad_sets(args.tiny, args.dtypes)
+
+    def partial_report(rows, copy_bw, done):
+        # written after each set: a run its time limit stops keeps the sets it finished
+        if args.out is not None and done < len(sets):
+            header = header_lines(device, args.tiny) + [f"- note: {n}" for n in timer.notes]
+            header.append(f"- partial: {done} of {len(sets)} gradient sets measured so far")
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_clip.md").write_text(render(rows, copy_bw, device, header))
+
+    rows, copy_bw = measure(sets, timer, device, after_set=partial_report)
     header = header_lines(device, args.tiny) + [f"- note: {n}" for n in timer.notes]
     write_report(render(rows, copy_bw, device, header), args.out, "bench_clip")
     _, met = verdicts(rows, copy_bw)
