@@ -28,7 +28,9 @@
 #                       check-gpt: engine checks on gpt and the transformers GPT-2 (hf-gpt2)
 #                       bench:     fasttrain bench on mlp and convnet, fused clip, loss gathering
 #                       bench-gpt: fasttrain bench on GPT-2 124M and transformers GPT-2 124M
-#                       overhead:  fasttrain bench --workload overhead (every engine's host time)
+#                       overhead:  fasttrain bench --workload overhead (every engine's host time),
+#                                  and the host time per step by function of the graphed engine
+#                                  and fasttrain.lightning on mlp (benchmarks/host_profile.py)
 #   --device cuda|cpu   default cuda; cpu runs every step at CPU sizes (no speed claims)
 #   --wheels DIR        wheels (pytorch-accelerated 0.1.61) installed without a registry, before
 #                       anything is checked, into the scratch folder, which goes on PYTHONPATH
@@ -57,7 +59,7 @@ declare -A LIMIT_S=(
     [check-gpt]=210 [check-hf-gpt2]=190
     [bench-mlp]=130 [bench-convnet]=150 [bench-clip]=60 [bench-loss-accum]=25
     [bench-gpt]=210 [bench-hf-gpt2]=190
-    [bench-overhead]=60
+    [bench-overhead]=60 [profile-mlp]=90
 )
 PART_BUDGET_S=400
 SETUP_LIMIT_S=45
@@ -83,9 +85,12 @@ PARTS=(tests check check-gpt bench bench-gpt overhead)
 # compiling in the 23 s that 104 s left it after the bare loop and torch.compile(model), so
 # bench-hf-gpt2 takes the time of bench-overhead, which that run measured (`--part overhead`
 # runs it again), and the MLP bench of this run times only the peers its targets compare
-# (BENCH_PEERS below).
+# (BENCH_PEERS below). profile-mlp, beside the checks, profiles the host side of the graphed
+# engine and of fasttrain.lightning on it (fasttrain-lightning made 0.62x the graphed engine's
+# steps/s there): where a replayed step's microseconds go; the device, shared with the tests
+# then, does not hold a replaying host back.
 ALL_SCHEDULE='
-pytest-gpu=200 | check-mlp=55 check-hf-gpt2=140
+pytest-gpu=200 | check-mlp=55 check-hf-gpt2=140 | profile-mlp=60
 bench-mlp=55
 bench-clip=30
 bench-loss-accum=12
@@ -106,7 +111,7 @@ part_steps() {
         check-gpt) echo check-gpt check-hf-gpt2 ;;
         bench) echo bench-mlp bench-convnet bench-clip bench-loss-accum ;;
         bench-gpt) echo bench-gpt bench-hf-gpt2 ;;
-        overhead) echo bench-overhead ;;
+        overhead) echo bench-overhead profile-mlp ;;
     esac
 }
 # the CPU mode's limits are these times as long (inductor compiles for minutes on a small host)
@@ -141,7 +146,7 @@ while [ $# -gt 0 ]; do
         --keep-scratch) KEEP_SCRATCH=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,50p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) [ -z "$DEST" ] || die "one output folder only (got '$DEST' and '$1')"; DEST=$1; shift ;;
     esac
@@ -228,6 +233,7 @@ print_schedule() {
 if [ "$TINY" = 1 ]; then
     CHECK_SIZE=(--tiny --compile-backend aot_eager)
     CLIP_SIZE=(--tiny)
+    PROFILE_SIZE=(--steps 10)
     BENCH_SIZE=(--steps 4 --warmup 2 --repeats 1)
     declare -A BENCH=(
         [mlp]="--size tiny --batch-size 8" [convnet]="--size tiny --batch-size 8"
@@ -237,6 +243,7 @@ if [ "$TINY" = 1 ]; then
 elif [ "$DEVICE" = cpu ] && [ "$GPU_SIZES" = 0 ]; then
     CHECK_SIZE=()
     CLIP_SIZE=(--tiny)
+    PROFILE_SIZE=(--steps 100)
     BENCH_SIZE=(--steps 20 --warmup 5 --repeats 3)
     declare -A BENCH=(
         [mlp]="--size small --batch-size 64" [convnet]="--size tiny --batch-size 32"
@@ -246,6 +253,7 @@ elif [ "$DEVICE" = cpu ] && [ "$GPU_SIZES" = 0 ]; then
 else
     CHECK_SIZE=(--sizes cuda)
     CLIP_SIZE=()
+    PROFILE_SIZE=(--steps 300)
     BENCH_SIZE=(--repeats "$BENCH_REPEATS")
     declare -A BENCH=(
         [mlp]="--size small --batch-size 64 --precision fp32" [convnet]="--size small --channels-last"
@@ -285,6 +293,11 @@ step_command() {
             CMD=("$PY" benchmarks/kernels/bench_clip.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}") ;;
         bench-loss-accum)
             CMD=("$PY" benchmarks/kernels/bench_loss_accum.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}") ;;
+        profile-*)
+            # shellcheck disable=SC2206  # the size options are words
+            local size=(${BENCH[${name#profile-}]:-})
+            CMD=("$PY" benchmarks/host_profile.py --device "$DEVICE" --workload "${name#profile-}" "${size[@]}"
+                 "${PROFILE_SIZE[@]}" --peers fasttrain-cudagraph,fasttrain-lightning --out "$folder") ;;
         bench-*)
             local workload=${name#bench-}
             # shellcheck disable=SC2206  # the size options are words

@@ -32,12 +32,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 STEP_ORDER = (
     "pytest-gpu", "check-mlp", "check-convnet", "check-gpt", "check-hf-gpt2",
     "bench-mlp", "bench-convnet", "bench-gpt", "bench-hf-gpt2", "bench-clip", "bench-loss-accum",
+    "bench-overhead", "profile-mlp",
 )
 #: section titles of the steps that are not named after a workload
 TITLES = {
     "pytest-gpu": "pytest -m gpu",
     "bench-clip": "Fused gradient clipping (benchmarks/kernels/bench_clip.py)",
     "bench-loss-accum": "Loss gathering (benchmarks/kernels/bench_loss_accum.py)",
+    "profile-mlp": "Host time per step by function: mlp (benchmarks/host_profile.py)",
 }
 #: how much of each step's log run.log keeps (its end: where a failure shows)
 LOG_TAIL_LINES = 120
