@@ -115,6 +115,9 @@ class RunResult:
     model_host_reads_after_warmup: int = 0
     model_cuda_syncs_after_warmup: Optional[int] = None
     recompiles_after_warmup: int = 0
+    #: the guard that failed for each of them compiled again, in dynamo's words
+    #: (``"function: guard"``); the others were compiled for the first time
+    recompile_reasons: List[str] = field(default_factory=list)
     #: dynamo's "hit config.recompile_limit" reports: a frame then runs eagerly, silently
     recompile_limit_hits: List[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -219,6 +222,8 @@ class _Probe(TrainerCallback):
         self.marks: Dict[str, tuple] = {}
         self.sites: Dict[str, Counter] = {}
         self.cuda_sites: Dict[str, Counter] = {}
+        #: how many recompile reasons there were at each mark
+        self.reasons: Dict[str, int] = {}
 
     def on_train_step_end(self, trainer, batch, batch_output, **kwargs):
         self.losses.append(batch_output["loss"].detach().clone())
@@ -247,6 +252,7 @@ class _Probe(TrainerCallback):
         )
         self.sites[name] = Counter(self._sync_counter.by_site)
         self.cuda_sites[name] = Counter(syncs)
+        self.reasons[name] = len(self._recompiles.reasons)
 
     def on_training_run_epoch_end(self, trainer, **kwargs):
         if trainer.run_history.current_epoch == 1:
@@ -365,6 +371,7 @@ def train_once(
     result.cuda_syncs_after_warmup = end[2] - warm[2] if device.type == "cuda" else None
     result.cuda_sync_sites = dict(probe.cuda_sites["end"] - probe.cuda_sites["warm"])
     result.recompiles_after_warmup = end[3] - warm[3]
+    result.recompile_reasons = recompiles.reasons[probe.reasons["warm"]:probe.reasons["end"]]
     result.flushes_after_warmup = end[4] - warm[4]
     result.epoch_ends_after_warmup = end[5] - warm[5]
     result.model_host_reads_after_warmup = end[6] - warm[6]
@@ -425,7 +432,11 @@ def judge(runs: List[RunResult], device: torch.device) -> List[str]:
         for hit in run.recompile_limit_hits:
             failures.append(f"{tag}: part of the step ran eagerly without a warning: {hit}")
         if run.recompiles_after_warmup > MAX_RECOMPILES_AFTER_WARMUP:
-            failures.append(f"{tag}: {run.recompiles_after_warmup} frames compiled after the first epoch")
+            why = "; ".join(reason[:200] for reason in run.recompile_reasons[:3])
+            failures.append(
+                f"{tag}: {run.recompiles_after_warmup} frames compiled after the first epoch"
+                + (f" (guards that failed: {why})" if why else " (each for the first time)")
+            )
         budget = sync_budget(run)
         for label, count in (("host reads", run.host_reads_after_warmup), ("CUDA syncs", run.cuda_syncs_after_warmup)):
             if count is not None and count > budget:

@@ -75,6 +75,12 @@ def test_recompiles_and_syncs_over_budget_fail():
     assert G.judge([_run("eager", cuda_syncs_after_warmup=budget, host_reads_after_warmup=budget)], CUDA) == []
     failures = G.judge([_run("eager", recompiles_after_warmup=1, cuda_syncs_after_warmup=budget + 1)], CUDA)
     assert len(failures) == 2 and "compiled after the first epoch" in failures[0] and "CUDA syncs" in failures[1]
+    assert failures[0].endswith("1 frames compiled after the first epoch (each for the first time)")
+    named = _run("eager", recompiles_after_warmup=2, recompile_reasons=["step: ___check_obj_id(self.trainer, 7)"])
+    assert G.judge([named], CUDA) == [
+        "mlp/fp32/eager: 2 frames compiled after the first epoch (guards that failed: step: "
+        "___check_obj_id(self.trainer, 7))"
+    ]
 
 
 def test_weight_difference_is_over_the_whole_state():
