@@ -40,7 +40,8 @@ def per_step(short: dict, long: dict, steps: int) -> Dict[tuple, Tuple[float, fl
     """What ``run(W + N)`` spent beyond ``run(W)``, over N: calls, own microseconds and cumulative
     microseconds per step, per function."""
     out = {}
-    for key, (nc, tt, ct) in long.items():
+    for key in long.keys() | short.keys():
+        nc, tt, ct = long.get(key, (0, 0.0, 0.0))
         nc0, tt0, ct0 = short.get(key, (0, 0.0, 0.0))
         out[key] = ((nc - nc0) / steps, (tt - tt0) * 1e6 / steps, (ct - ct0) * 1e6 / steps)
     return out
@@ -84,6 +85,12 @@ def profile_peer(peer, warmup: int, steps: int) -> Tuple[float, float, Dict[tupl
     peer.run(warmup)  # compile, capture: what a first call pays
     peer.run(warmup + steps)  # and what only a longer call reaches first (an epoch's end, a last batch)
     plain = (_timed(peer, warmup + steps) - _timed(peer, warmup)) * 1e6 / steps
+    return (plain, *profiled_steps(peer, warmup, steps))
+
+
+def profiled_steps(peer, warmup: int, steps: int) -> Tuple[float, Dict[tuple, Tuple[float, float, float]]]:
+    """``(profiled µs/step, per-function costs per step)``: Python's profiler over ``run(W)`` and
+    ``run(W + N)`` of a warmed-up peer, the difference over N."""
     profiles = []
     for n in (warmup, warmup + steps):
         profile = cProfile.Profile()
@@ -95,7 +102,7 @@ def profile_peer(peer, warmup: int, steps: int) -> Tuple[float, float, Dict[tupl
             profile.disable()
         profiles.append((time.perf_counter() - start, _stats(profile)))
     (t_short, short), (t_long, long) = profiles
-    return plain, (t_long - t_short) * 1e6 / steps, per_step(short, long, steps)
+    return (t_long - t_short) * 1e6 / steps, per_step(short, long, steps)
 
 
 def report(results: List[Tuple[str, Optional[str], float, float, dict]], header: List[str]) -> str:

@@ -2,6 +2,8 @@
 short run of it on the CPU clock (benchmarks/README.md, "The overhead workload")."""
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,10 @@ from fasttrain.bench.workloads import (
     passthrough_collate,
 )
 from fasttrain.cli import _SCHEDULES, main
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import host_profile  # noqa: E402
 
 # every peer that runs on a CPU without compiling (the compiled ones are fed by the same loaders)
 CPU_PEERS = ["bare", "pytorch-accelerated", "fasttrain-eager", "lightning", "fasttrain-lightning"]
@@ -150,19 +156,11 @@ def test_the_table_pairs_fasttrain_lightning_with_lightning_and_fasttrain_eager(
 
 def python_calls_per_step(peer) -> float:
     """Python function calls per training step of a set-up ``peer``: the difference of a 120-step
-    and a 20-step run over 100, so that what a run costs once cancels."""
-    import cProfile
-    import pstats
-
+    and a 20-step run over 100, so that what a run costs once cancels
+    (benchmarks/host_profile.py)."""
     peer.run(5)
-    calls = []
-    for steps in (20, 120):
-        profile = cProfile.Profile()
-        profile.enable()
-        peer.run(steps)
-        profile.disable()
-        calls.append(pstats.Stats(profile).total_calls)
-    return (calls[1] - calls[0]) / 100
+    _, rows = host_profile.profiled_steps(peer, 20, 100)
+    return sum(calls for calls, _, _ in rows.values())
 
 
 def test_fasttrains_eager_step_makes_no_more_python_calls_than_the_bare_loop():
