@@ -11,9 +11,9 @@ test that already started deselected, until a run ends by itself (or ``--attempt
 
 Each run writes ``FOLDER/junit-<n>.xml``; ``FOLDER/crashes.json`` lists the crashed tests, each
 with the signal, what its run printed about the crash, and the failures of that run before it
-(their messages, which the run's JUnit report would have held). pytest runs with ``--capture=sys``: what
-native code writes to the process's stderr (a C++ exception's message before an abort) goes to
-the log instead of a capture file the crash would lose. Exit status: 0 when every run passed and
+(their messages, which the run's JUnit report would have held). pytest runs with
+``--capture=sys``: what native code writes to the process's stderr (a C++ exception's message
+before an abort) goes to the log instead of a capture file the crash would lose. Exit status: 0 when every run passed and
 nothing crashed, 1 when a test failed or crashed, pytest's own status otherwise, 2 when a TERM
 stopped it (sent to the process group, as ``timeout`` sends it, it ends pytest the way Ctrl-C
 does, with its summary and report).

@@ -321,17 +321,19 @@ def main(argv=None):
     device, timer, _ = kernel_bench_setup(parser, args, "bench_clip")
     sets = grad_sets(args.tiny, args.dtypes)
 
+    def report(rows, copy_bw, *extra):
+        header = header_lines(device, args.tiny) + [f"- note: {n}" for n in timer.notes] + list(extra)
+        return render(rows, copy_bw, device, header)
+
     def partial_report(rows, copy_bw, done):
         # written after each set: a run its time limit stops keeps the sets it finished
         if args.out is not None and done < len(sets):
-            header = header_lines(device, args.tiny) + [f"- note: {n}" for n in timer.notes]
-            header.append(f"- partial: {done} of {len(sets)} gradient sets measured so far")
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "bench_clip.md").write_text(render(rows, copy_bw, device, header))
+            partial = f"- partial: {done} of {len(sets)} gradient sets measured so far"
+            (args.out / "bench_clip.md").write_text(report(rows, copy_bw, partial))
 
     rows, copy_bw = measure(sets, timer, device, after_set=partial_report)
-    header = header_lines(device, args.tiny) + [f"- note: {n}" for n in timer.notes]
-    write_report(render(rows, copy_bw, device, header), args.out, "bench_clip")
+    write_report(report(rows, copy_bw), args.out, "bench_clip")
     _, met = verdicts(rows, copy_bw)
     return 1 if (args.enforce_targets and device.type == "cuda" and not met) else 0
 

@@ -163,13 +163,15 @@ def summarize(bench: BenchResult, peak_flops: Optional[float] = None) -> List[Di
             if flops_per_step and peak_flops:
                 row["mfu"] = flops_per_step * med / peak_flops
             if p.invalid_repeats:
-                extra = f"{p.invalid_repeats} repeat(s) dropped as noise"
-                row["notes"] = f"{row['notes']}; {extra}" if row["notes"] else extra
+                _add_note(row, f"{p.invalid_repeats} repeat(s) dropped as noise")
         if p.recompiles:
-            extra = recompiles_note(p.recompiles, p.recompile_reasons)
-            row["notes"] = f"{row['notes']}; {extra}" if row["notes"] else extra
+            _add_note(row, recompiles_note(p.recompiles, p.recompile_reasons))
         rows.append(row)
     return rows
+
+
+def _add_note(row: Dict[str, object], extra: str) -> None:
+    row["notes"] = f"{row['notes']}; {extra}" if row["notes"] else extra
 
 
 def recompiles_note(recompiles: int, reasons: Dict[str, int]) -> str:
