@@ -29,8 +29,9 @@
 #                       bench:     fasttrain bench on mlp and convnet, fused clip, loss gathering
 #                       bench-gpt: fasttrain bench on GPT-2 124M and transformers GPT-2 124M
 #                       overhead:  fasttrain bench --workload overhead (every engine's host time),
-#                                  and the host time per step by function of the graphed engine
-#                                  and fasttrain.lightning on mlp (benchmarks/host_profile.py)
+#                                  the host time per step by function of the graphed engine and
+#                                  fasttrain.lightning on mlp (benchmarks/host_profile.py), and
+#                                  what nonfinite="skip" adds to an update (the masked skip's undo)
 #   --device cuda|cpu   default cuda; cpu runs every step at CPU sizes (no speed claims)
 #   --wheels DIR        wheels (pytorch-accelerated 0.1.61) installed without a registry, before
 #                       anything is checked, into the scratch folder, which goes on PYTHONPATH
@@ -59,7 +60,7 @@ declare -A LIMIT_S=(
     [check-gpt]=210 [check-hf-gpt2]=190
     [bench-mlp]=130 [bench-convnet]=150 [bench-clip]=60 [bench-loss-accum]=25
     [bench-gpt]=210 [bench-hf-gpt2]=190
-    [bench-overhead]=60 [profile-mlp]=90
+    [bench-overhead]=60 [profile-mlp]=90 [bench-masked-restore]=40
 )
 PART_BUDGET_S=400
 SETUP_LIMIT_S=45
@@ -111,7 +112,7 @@ part_steps() {
         check-gpt) echo check-gpt check-hf-gpt2 ;;
         bench) echo bench-mlp bench-convnet bench-clip bench-loss-accum ;;
         bench-gpt) echo bench-gpt bench-hf-gpt2 ;;
-        overhead) echo bench-overhead profile-mlp ;;
+        overhead) echo bench-overhead profile-mlp bench-masked-restore ;;
     esac
 }
 # the CPU mode's limits are these times as long (inductor compiles for minutes on a small host)
@@ -146,7 +147,7 @@ while [ $# -gt 0 ]; do
         --keep-scratch) KEEP_SCRATCH=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         --) shift; BENCH_EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,50p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) die "unknown option $1 (see --help)" ;;
         *) [ -z "$DEST" ] || die "one output folder only (got '$DEST' and '$1')"; DEST=$1; shift ;;
     esac
@@ -293,6 +294,8 @@ step_command() {
             CMD=("$PY" benchmarks/kernels/bench_clip.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}") ;;
         bench-loss-accum)
             CMD=("$PY" benchmarks/kernels/bench_loss_accum.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}") ;;
+        bench-masked-restore)
+            CMD=("$PY" benchmarks/kernels/bench_masked_restore.py --device "$DEVICE" --out "$folder" "${CLIP_SIZE[@]}") ;;
         profile-*)
             # shellcheck disable=SC2206  # the size options are words
             local size=(${BENCH[${name#profile-}]:-})

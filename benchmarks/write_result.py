@@ -32,13 +32,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 STEP_ORDER = (
     "pytest-gpu", "check-mlp", "check-convnet", "check-gpt", "check-hf-gpt2",
     "bench-mlp", "bench-convnet", "bench-gpt", "bench-hf-gpt2", "bench-clip", "bench-loss-accum",
-    "bench-overhead", "profile-mlp",
+    "bench-masked-restore", "bench-overhead", "profile-mlp",
 )
 #: section titles of the steps that are not named after a workload
 TITLES = {
     "pytest-gpu": "pytest -m gpu",
     "bench-clip": "Fused gradient clipping (benchmarks/kernels/bench_clip.py)",
     "bench-loss-accum": "Loss gathering (benchmarks/kernels/bench_loss_accum.py)",
+    "bench-masked-restore": "The masked skip's undo (benchmarks/kernels/bench_masked_restore.py)",
     "profile-mlp": "Host time per step by function: mlp (benchmarks/host_profile.py)",
 }
 #: how much of each step's log run.log keeps (its end: where a failure shows)

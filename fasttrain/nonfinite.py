@@ -151,6 +151,12 @@ class NonFiniteGuard:
         self.pending_skips.add_(found_inf)
         return norm
 
+    def prepare_tables(self) -> None:
+        """Before a CUDA graph captures an update: the table of the masked skip's undo (host work
+        and one queued copy, no host read), which the capture cannot build."""
+        if self._masked is not None:
+            self._masked.prepare_tables()
+
     def _buffers(self, device) -> torch.Tensor:
         if self.found_inf is None or self.found_inf.device != device:
             self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)

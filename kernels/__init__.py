@@ -48,6 +48,16 @@ else:
         accumulate_loss_triton,
         reset_counters_,
     )
+    from .masked_restore import (
+        prepare_snapshot_table,
+        restore_where_,
+        restore_where_reference,
+        restore_where_triton,
+        save_snapshot,
+        save_snapshot_reference,
+        save_snapshot_triton,
+        snapshot_nbytes,
+    )
 
     __all__ = [
         "LossCounters",
@@ -69,7 +79,15 @@ else:
         "grad_sumsq_triton",
         "hold_chunk_tables",
         "prepare_chunk_tables",
+        "prepare_snapshot_table",
         "reset_counters_",
+        "restore_where_",
+        "restore_where_reference",
+        "restore_where_triton",
+        "save_snapshot",
+        "save_snapshot_reference",
+        "save_snapshot_triton",
+        "snapshot_nbytes",
         "triton_available",
         "triton_interpreted",
     ]

@@ -7,6 +7,8 @@ table entry and walks that chunk block by block, calling the kernel's block func
 block. So every kernel gets the same loop: full blocks load without a mask (16-byte vector loads
 when the table says every chunk is aligned), and only a chunk's tail pays for a mask.
 
+``masked_restore`` copies bytes rather than walking values, so it has its own walk; it shares the
+table cache (:func:`cached_table`) and the holders that keep a captured graph's tables alive.
 ``loss_accum`` uses only the device checks.
 """
 import collections
@@ -204,20 +206,34 @@ def warn_fallback_once(fn_name: str) -> None:
 
 def as_grad_list(grads: Union[Tensor, Sequence[Tensor]], fn_name: str) -> List[Tensor]:
     """Validate a gradient list (one device, floating dtypes) and return it as a list."""
-    if isinstance(grads, Tensor):
-        grads = [grads]
-    grads = list(grads)
-    for i, g in enumerate(grads):
-        if not isinstance(g, Tensor):
-            raise TypeError(f"{fn_name}: grads[{i}] is {type(g).__name__}, expected a Tensor")
-        if not g.is_floating_point():
-            raise TypeError(f"{fn_name}: grads[{i}] has dtype {g.dtype}; gradients must be floating")
-        if g.device != grads[0].device:
+    return as_tensor_list(grads, fn_name, "grads", "gradients", "clip", floating=True)
+
+
+def as_tensor_list(
+    tensors: Union[Tensor, Sequence[Tensor]],
+    fn_name: str,
+    name: str = "tensors",
+    noun: str = "tensors",
+    verb: str = "save",
+    floating: bool = False,
+) -> List[Tensor]:
+    """Validate a tensor list (one device; floating dtypes if ``floating``) and return it as a
+    list; errors call the argument ``name`` and its items ``noun``, and advise to ``verb`` each
+    device's separately."""
+    if isinstance(tensors, Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn_name}: {name}[{i}] is {type(t).__name__}, expected a Tensor")
+        if floating and not t.is_floating_point():
+            raise TypeError(f"{fn_name}: {name}[{i}] has dtype {t.dtype}; {noun} must be floating")
+        if t.device != tensors[0].device:
             raise ValueError(
-                f"{fn_name}: all gradients must be on one device, got {grads[0].device} "
-                f"(grads[0]) and {g.device} (grads[{i}]); clip each device's gradients separately"
+                f"{fn_name}: all {noun} must be on one device, got {tensors[0].device} "
+                f"({name}[0]) and {t.device} ({name}[{i}]); {verb} each device's {noun} separately"
             )
-    return grads
+    return tensors
 
 
 def check_kernel_grads(grads: Sequence[Tensor], fn_name: str) -> None:
@@ -324,35 +340,51 @@ def chunk_table(grads: Sequence[Tensor], chunk: int) -> ChunkTable:
     always valid, even when the tensors were freed and others took their memory.
     """
     device = grads[0].device
-    key = (device, chunk, tuple((g.data_ptr(), g.numel(), g.dtype) for g in grads))
+    key = ("grads", device, chunk, tuple((g.data_ptr(), g.numel(), g.dtype) for g in grads))
+
+    def rows():
+        addrs: List[int] = []
+        sizes: List[int] = []
+        codes: List[int] = []
+        aligned = True
+        for g in grads:
+            n = g.numel()
+            if n == 0:
+                continue
+            base, itemsize, code = g.data_ptr(), g.element_size(), DTYPE_CODES[g.dtype]
+            aligned = aligned and base % 16 == 0
+            for start in range(0, n, chunk):
+                addrs.append(base + start * itemsize)
+                sizes.append(min(chunk, n - start))
+                codes.append(code)
+        return [addrs, sizes, codes], aligned
+
+    return cached_table(key, device, rows, "fused clipping: the gradient table")
+
+
+def cached_table(key: tuple, device: torch.device, rows, what: str) -> ChunkTable:
+    """The table cached under ``key``, else one built from ``rows()`` (a list of equally long
+    int lists, one table row each, and whether every chunk is 16-byte aligned) and cached.
+
+    ``key`` must determine the rows, so that a hit is always valid. Every kernel's tables share
+    the cache and the holders of :func:`hold_chunk_tables`; ``what`` names the table in the error
+    raised when it is missing during a CUDA graph capture.
+    """
     entry = _TABLE_CACHE.get(key)
     if entry is not None:
         _TABLE_CACHE.move_to_end(key)
         return _held(entry)
     if capturing(device):
         raise RuntimeError(
-            "fused clipping: the gradient table for these tensors is not built yet and cannot be "
-            "copied to the device during CUDA graph capture; run one step before capturing"
+            f"{what} for these tensors is not built yet and cannot be copied to the device during "
+            "CUDA graph capture; run one step before capturing"
         )
-    addrs: List[int] = []
-    sizes: List[int] = []
-    codes: List[int] = []
-    aligned = True
-    for g in grads:
-        n = g.numel()
-        if n == 0:
-            continue
-        base, itemsize, code = g.data_ptr(), g.element_size(), DTYPE_CODES[g.dtype]
-        aligned = aligned and base % 16 == 0
-        for start in range(0, n, chunk):
-            addrs.append(base + start * itemsize)
-            sizes.append(min(chunk, n - start))
-            codes.append(code)
-    table = torch.tensor([addrs, sizes, codes], dtype=torch.int64)
+    values, aligned = rows()
+    table = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":
         # Pinned + non_blocking: the copy is queued on the stream without a host sync.
         table = table.pin_memory().to(device, non_blocking=True)
-    entry = ChunkTable(table, len(addrs), aligned)
+    entry = ChunkTable(table, len(values[0]), aligned)
     _TABLE_CACHE[key] = entry
     if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
         # only the cache's reference goes: a table a graph uses is also in its holder's list

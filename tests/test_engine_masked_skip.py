@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import TensorDataset
 
 from fasttrain import Trainer
@@ -90,6 +91,46 @@ def test_masked_update_equals_the_step_or_leaves_everything_bit_identical(device
     assert guard.pending_skips.tolist() == [3.0]
     guard.close()
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+class _OpLog(TorchDispatchMode):
+    """The names of the operators run inside the block, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_undo_is_one_save_and_one_restore_whatever_the_number_of_tensors(device_like, name):
+    # one launch each way on a device (fasttrain.kernels.masked_restore), not a clone and a
+    # select per parameter and state tensor (2n + 1 launches for n tensors)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    optimizer = OPTIMIZERS[name](model.parameters())
+    guard = NonFiniteGuard("skip", optimizer)
+    clipper = GradientClipper(model.parameters())
+    _backward(model)
+    optimizer.step()  # the state exists from here on
+    for poison in (True, False):
+        _backward(model, poison=poison)
+        before = _state(model, optimizer)
+        guard.clip(clipper)
+        assert guard.allow_update() is True and guard._masked.armed
+        with _OpLog() as log:
+            optimizer.step()
+        ours = [op for op in log.ops if op.startswith("fasttrain.")]
+        assert ours == ["fasttrain.save_snapshot.default", "fasttrain.restore_where.default"]
+        assert not [op for op in log.ops if op.startswith(("aten.clone", "aten.where"))]
+        if poison:
+            _assert_identical(_state(model, optimizer), before)
+        else:
+            assert not torch.equal(next(model.parameters()), before[0][0])
+    guard.close()
 
 
 def test_the_first_update_is_checked_on_the_host_until_the_state_exists(device_like):
@@ -207,6 +248,31 @@ def test_capture_waits_until_the_masked_skip_is_armed(device_like):
     engine = graphed.trainer._engine
     assert engine._train_graphs[True].graph.replays > 0
     assert graphed.trainer.skipped_updates == eager.trainer.skipped_updates == 4  # two per epoch
+    for key in eager.state:
+        torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
+
+
+def test_a_capture_after_the_cache_evicted_the_undos_table_finds_it_built(device_like, monkeypatch):
+    """The undo's kernels look their table up inside a CUDA graph capture, which cannot build
+    one; the engine builds it before capturing an update, as it does the clipping's (the graphs
+    are captured again in the second epoch, after other tables evicted this one)."""
+    from fasttrain.engine import ENGINES
+    from fasttrain.kernels import masked_restore
+    from test_kernels_chunk_tables import engine_looking_up_tables_in_capture, flooding_trainer
+
+    looked_up = []
+
+    def lookup(engine):
+        masked = engine.trainer._nonfinite._masked
+        assert masked.ready()  # capture waits for the armed skip
+        looked_up.append(masked_restore._table(masked._tensors_of_step(), masked_restore.DEFAULT_CHUNK_BYTES))
+
+    monkeypatch.setattr(masked_restore, "_walkable", lambda tensors: bool(tensors))  # as on a GPU
+    monkeypatch.setitem(ENGINES, "cudagraph", engine_looking_up_tables_in_capture(monkeypatch, lookup))
+    case = mlp_case(trainer_cls=flooding_trainer(nonfinite="skip"), epochs=2)
+    eager, graphed = _eager_and_graphed(case)
+    # an update captured in each epoch, each finding the table of the same tensors
+    assert len(looked_up) >= 2 and all(t.num_chunks == looked_up[0].num_chunks > 0 for t in looked_up)
     for key in eager.state:
         torch.testing.assert_close(graphed.state[key], eager.state[key], rtol=1e-4, atol=1e-5)
 

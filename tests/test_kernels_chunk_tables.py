@@ -97,22 +97,12 @@ def test_the_captured_step_keeps_the_tables_its_capture_used(monkeypatch):
     assert engine.table in [t for c in engine._train_graphs.values() for t in c.tables]
 
 
-def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(monkeypatch):
-    """The graphs are dropped before the epoch's partial batch and captured again in the next
-    epoch; meanwhile other tables evicted the gradients' one. A capture cannot copy a table to the
-    device, so the engine builds the tables before capturing an update (as on a GPU, where the
-    kernels look the table up inside the capture and a miss raised)."""
-    from fasttrain import Trainer
-    from fasttrain.callbacks import TrainerCallback
-    from fasttrain.engine import ENGINES
-    from fasttrain.engine.clipping import gradients_of
-    from test_engine_graph_logic import HostGraphEngine, eager_and_graphed, mlp_case
-    from engine_cases import assert_runs_match
+def engine_looking_up_tables_in_capture(monkeypatch, lookup):
+    """A host stand-in of the graphed engine that calls ``lookup(engine)`` inside each update
+    capture, with table builds refused there, as the kernels look their tables up on a GPU."""
+    from test_engine_graph_logic import HostGraphEngine
 
     class KernelTablesInCapture(HostGraphEngine):
-        """Looks the table up inside each update capture, with table builds refused there, as the
-        clipping kernels do on a GPU."""
-
         def _capture_and_replay(self, batch, update, signature, last=False):
             self.capturing_update = update
             return super()._capture_and_replay(batch, update, signature, last)
@@ -126,15 +116,22 @@ def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(mo
                 if not calls and self.capturing_update:
                     with monkeypatch.context() as capture:
                         capture.setattr(multi_tensor, "capturing", lambda device: True)
-                        multi_tensor.chunk_table(gradients_of(self.trainer.model.parameters()), multi_tensor.DEFAULT_CHUNK)
+                        lookup(self)
                 calls.append(1)
                 return body()
 
             return super()._record(recorded)
 
-    class FloodTables(TrainerCallback):
-        """Once the graphs exist, builds more tables than the cache keeps."""
+    return KernelTablesInCapture
 
+
+def flooding_trainer(**defaults):
+    """``Trainer`` with a callback that, once the graphs exist (after the sixth step), builds
+    more tables than the cache keeps; ``defaults`` are its arguments where a run gives none."""
+    from fasttrain import Trainer
+    from fasttrain.callbacks import TrainerCallback
+
+    class FloodTables(TrainerCallback):
         def __init__(self):
             self.seen, self.kept = 0, []
 
@@ -145,9 +142,25 @@ def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(mo
 
     class FloodingTrainer(Trainer):
         def __init__(self, *args, callbacks=(), **kwargs):
-            super().__init__(*args, callbacks=[*callbacks, FloodTables()], **kwargs)
+            super().__init__(*args, callbacks=[*callbacks, FloodTables()], **{**defaults, **kwargs})
+
+    return FloodingTrainer
+
+
+def test_a_capture_after_the_cache_evicted_the_gradients_table_finds_it_built(monkeypatch):
+    """The graphs are dropped before the epoch's partial batch and captured again in the next
+    epoch; meanwhile other tables evicted the gradients' one. A capture cannot copy a table to the
+    device, so the engine builds the tables before capturing an update (as on a GPU, where the
+    kernels look the table up inside the capture and a miss raised)."""
+    from fasttrain.engine import ENGINES
+    from fasttrain.engine.clipping import gradients_of
+    from test_engine_graph_logic import eager_and_graphed, mlp_case
+    from engine_cases import assert_runs_match
+
+    def lookup(engine):
+        multi_tensor.chunk_table(gradients_of(engine.trainer.model.parameters()), multi_tensor.DEFAULT_CHUNK)
 
     monkeypatch.setattr(multi_tensor, "triton_can_clip", lambda grads: bool(grads))  # as on a GPU
-    monkeypatch.setitem(ENGINES, "cudagraph", KernelTablesInCapture)
-    eager, graphed = eager_and_graphed(mlp_case(trainer_cls=FloodingTrainer, epochs=2))
+    monkeypatch.setitem(ENGINES, "cudagraph", engine_looking_up_tables_in_capture(monkeypatch, lookup))
+    eager, graphed = eager_and_graphed(mlp_case(trainer_cls=flooding_trainer(), epochs=2))
     assert_runs_match(eager, graphed)

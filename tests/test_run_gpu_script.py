@@ -116,7 +116,7 @@ def test_part_all_fits_nine_minutes_as_its_gpu_schedule_shows():
     assert set(commands) == {n for reserved, lanes in slots if not reserved for lane in lanes for n, _ in lane}
     for reserved, lanes in slots:
         for name, limit in (item for lane in lanes for item in lane):
-            if reserved or name in ("bench-clip", "bench-loss-accum") or not name.startswith("bench-"):
+            if reserved or name in ("bench-clip", "bench-loss-accum", "bench-masked-restore") or not name.startswith("bench-"):
                 continue
             assert f"--time-limit {3 * limit - scalar['BENCH_MARGIN_S']}" in commands[name]
     assert "--size 124m --batch-size 16 --precision bf16" in commands["bench-hf-gpt2"]
@@ -134,6 +134,9 @@ def test_the_host_overhead_bench_runs_every_engine_in_its_part_and_a_commented_l
     line = next(l for l in result.stdout.splitlines() if l.startswith("bench-overhead (limit 60s): "))
     assert "bench --device cuda" in line and "--workload overhead" in line and "--time-limit 52" in line
     assert "--peers bare,compiled,compiled-model,cudagraph,pytorch-accelerated,lightning," in line
+    # the masked skip's undo, at its full sizes on CUDA
+    line = next(l for l in result.stdout.splitlines() if l.startswith("bench-masked-restore (limit 40s): "))
+    assert "benchmarks/kernels/bench_masked_restore.py --device cuda --out " in line and "--tiny" not in line
     result = _sh("--part", "all", "--dry-run")
     assert result.returncode == 0 and "reserved:" not in result.stdout
     # commenting a line out keeps its room in the worst case without running it

@@ -334,9 +334,11 @@ class UpdateClip:
         return self.guard.clip(self.clipper)
 
     def before_capture(self) -> None:
-        """What a CUDA graph capture of the update cannot do itself: the kernels' chunk tables."""
+        """What a CUDA graph capture of the update cannot do itself: the kernels' chunk tables,
+        for the clipping and for the masked skip's undo."""
         if self.active and self.clipper is not None:
             self.clipper.prepare_tables()
+        self.guard.prepare_tables()
 
     def mutated_flags(self) -> tuple:
         """The device flags the kernels raise in place (restored when a failed step is undone)."""

@@ -4,12 +4,14 @@
 optimizers read the flag in their kernel; the others (foreach or single-tensor SGD, Adam, AdamW)
 cannot, and reading the flag on the host is a synchronisation per update, which a CUDA graph
 cannot even contain. :class:`MaskedStep` wraps their ``step`` with an optimizer step pre-hook
-that copies the parameters and their state, and a post-hook that writes the copies back where the
-flag is raised::
+that saves the parameters and their state, and a post-hook that puts the saved bytes back where
+the flag is raised::
 
-    t <- where(found_inf > 0, copy_of_t, t)      for every parameter and state tensor
+    snapshot = save_snapshot(tensors)               before the step
+    restore_where_(tensors, snapshot, found_inf)    after it: tensors <- snapshot if found_inf > 0
 
-``torch.where`` picks one of its inputs bit for bit, so a skipped update leaves parameters and
+(``fasttrain.kernels.masked_restore``: one launch each on CUDA, whatever the number of tensors,
+and the restore moves nothing unless the flag is raised). A skipped update leaves parameters and
 state exactly as they were (the step counter included) and an applied one exactly as the step
 computed it. The cost is one copy of the parameters and their state per update, device work
 without a host read; it traces under ``torch.compile`` and records in a CUDA graph.
@@ -24,6 +26,8 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+
+from fasttrain import kernels
 
 #: optimizers whose whole state is per-parameter tensors the masked copy covers
 MASKABLE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -57,7 +61,7 @@ class MaskedStep:
         self.found_inf = found_inf
         self.armed = False
         self._tensors: List[torch.Tensor] = []
-        self._copies: List[torch.Tensor] = []
+        self._snapshot: Optional[torch.Tensor] = None
         self._handles = [
             optimizer.register_step_pre_hook(self._before),
             optimizer.register_step_post_hook(self._after),
@@ -83,35 +87,43 @@ class MaskedStep:
             if p.grad is not None
         )
 
-    def _before(self, optimizer, args, kwargs) -> None:
-        if not self.armed:
-            return
-        state = optimizer.state
+    def _tensors_of_step(self) -> List[torch.Tensor]:
+        """The parameters with a gradient, each followed by its state tensors: what a step writes."""
+        state = self.optimizer.state
         tensors = []
         for p in self._params():
             tensors.append(p)
             tensors.extend(v for v in state.get(p, {}).values() if isinstance(v, torch.Tensor))
+        return tensors
+
+    def prepare_tables(self) -> None:
+        """Build the kernels' table for the tensors the next step writes (no host read): a CUDA
+        graph that captures the step cannot build it (see ``UpdateClip.before_capture``)."""
+        if self.ready():
+            kernels.prepare_snapshot_table(self._tensors_of_step())
+
+    def _before(self, optimizer, args, kwargs) -> None:
+        if not self.armed:
+            return
+        tensors = self._tensors_of_step()
         with torch.no_grad():
-            self._copies = [t.detach().clone() for t in tensors]
+            self._snapshot = kernels.save_snapshot(tensors) if tensors else None
         self._tensors = tensors
 
-    # Kept out of dynamo: traced, the frame that runs this hook would guard on the copies, which
-    # exist only between the two hooks, so a check of its guards between steps (the graphed
-    # engine's before each replay, fasttrain/engine/step_guards.py) would fail every time. The
-    # selects run as they are, recorded in a CUDA graph like the rest of the step; run eagerly,
-    # each select writes into its copy (no temporaries) and one multi-tensor copy puts them all
-    # back, rather than a copy launched per tensor.
+    # Kept out of dynamo: traced, the frame that runs this hook would guard on the snapshot, which
+    # exists only between the two hooks, so a check of its guards between steps (the graphed
+    # engine's before each replay, fasttrain/engine/step_guards.py) would fail every time. Run
+    # as it is, the restore is one launch (recorded in a CUDA graph like the rest of the step).
     @torch.compiler.disable
     def _after(self, optimizer, args, kwargs) -> None:
         if not self.armed or not self._tensors:
             return
-        # every tensor is on the flag's device: masked_step_for() refuses host step counters
-        skip = self.found_inf.reshape(()) > 0
+        # every tensor is on the flag's device: masked_step_for() refuses host step counters.
+        # The op itself, not restore_where_(): the tensors and snapshot are the pre-hook's own,
+        # so the public function's checks would only add host time to every update
         with torch.no_grad():
-            for tensor, copy in zip(self._tensors, self._copies):
-                torch.where(skip, copy, tensor, out=copy)
-            torch._foreach_copy_(self._tensors, self._copies)
-        self._tensors, self._copies = [], []
+            torch.ops.fasttrain.restore_where(self._tensors, self._snapshot, self.found_inf)
+        self._tensors, self._snapshot = [], None
 
     def remove(self) -> None:
         for handle in self._handles:
