@@ -3,6 +3,7 @@ stand-ins of test_engine_graph_logic (the same fit runs on a GPU in test_lightni
 Lightning's default zero-grad keeps the graphs, ``self.log`` in a replayed step is filed as if the
 step had run, and a logged torchmetrics Metric keeps the step off the graphs."""
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 
 from fasttrain.engine import ENGINES  # noqa: E402
+from fasttrain.engine.step_guards import run_by_design  # noqa: E402
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
     QUIET,
@@ -96,8 +98,8 @@ def test_the_graphed_engine_fits_a_default_module_as_lightning_does(graphed_engi
     assert ft.engine == "cudagraph"
     engine = ft._runner._engine
     assert set(engine._train_graphs) == {True} and engine.active_eval_engine == "cudagraph"
-    # Lightning's default zeroing: in place before each window's first step, not in the update
-    # graph (runner._ZeroGradAhead)
+    # Lightning's default zeroing: in place, in the step before its backward (runner._ZeroGradAhead),
+    # not in the update's zero-grad hook
     assert not engine._grads.cleared and not engine._own_zero_grad
     assert _replays() > 0
     assert ft.global_step == lt.global_step == 18
@@ -105,6 +107,64 @@ def test_the_graphed_engine_fits_a_default_module_as_lightning_does(graphed_engi
     # the logged values of replayed steps (train_loss on step and epoch, max, validation means)
     assert_same_metrics(lt.callback_metrics, ft.callback_metrics, atol=1e-5)
     assert_same_metrics(lt.logged_metrics, ft.logged_metrics, atol=1e-5)
+
+
+class NotesWhereGradientsClear(ReplaysRunNoPython):
+    """Notes, at each clearing of the gradients, whether a recorded step (a capture's run or a
+    replay) is running: a real replay runs only what its capture recorded."""
+
+    inside_a_graph = 0
+
+    def _record(self, body):
+        return super()._record(functools.partial(_marked, body))
+
+
+def _marked(body):
+    NotesWhereGradientsClear.inside_a_graph += 1
+    try:
+        return body()
+    finally:
+        NotesWhereGradientsClear.inside_a_graph -= 1
+
+
+run_by_design(_marked)  # the stand-in's, not the step's, Python (step_guards.FramesRun)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightnings_default_zeroing_is_recorded_in_the_graphs_where_every_batch_opens_a_window(
+    monkeypatch, accumulate
+):
+    """A replayed step clears the gradients inside its graph, as its capture recorded it in the
+    backward step (in place, where Lightning clears them): the host launches nothing for it. With
+    accumulation the non-stepping batches share a graph whether they open a window or not, so the
+    first batch of each window is cleared before its step, outside the graph."""
+    from fasttrain.lightning.runner import ModuleRunner
+
+    clearings = []
+    original = ModuleRunner.zero_grad_at_window_start
+
+    def noting(self, in_place=False):
+        clearings.append((NotesWhereGradientsClear.inside_a_graph > 0, in_place))
+        return original(self, in_place)
+
+    run_by_design(noting)  # called by the step's backward: the test's Python, not the step's
+    monkeypatch.setattr(ModuleRunner, "zero_grad_at_window_start", noting)
+    monkeypatch.setitem(ENGINES, "cudagraph", NotesWhereGradientsClear)
+    lt, lm, ft, fm = fit_both(
+        Classifier, train_loader, trainer_kwargs=dict(max_epochs=3, accumulate_grad_batches=accumulate),
+        fasttrain_kwargs=dict(engine="cudagraph", compile_options=AOT),
+    )
+    assert ft.engine == "cudagraph" and ft.global_step == lt.global_step
+    replayed = sum(graph.replays for graph in HostGraphEngine.graphs if graph.captured_grads)
+    assert replayed > 0
+    assert all(in_place for _, in_place in clearings)  # the tensors the graphs accumulate into stay
+    outside = [inside for inside, _ in clearings].count(False)
+    if accumulate == 1:
+        # one clearing per batch: recorded for the replayed ones, eager for those that ran compiled
+        assert outside == 18 - replayed and len(clearings) > 18
+    else:
+        assert outside == 9 and len(clearings) == 9  # before each window's first batch, eagerly
+    assert_same_weights(lm, fm, atol=1e-5)
 
 
 class CountsEpochChecks(ReplaysRunNoPython):

@@ -41,6 +41,12 @@ class ModuleRunner(FasttrainTrainer):
         self.window_start = True  # the micro-step opens an accumulation window
         #: > 0 inside the graphed engine's step, whose zero-grad hooks ran before it (_ZeroGradAhead)
         self._zeroed_ahead = 0
+        #: the graphed engine's steps clear the gradients themselves, in place, in backward_step:
+        #: Lightning's default zeroing when every batch opens a window (decided per run, see
+        #: _decide_step_calls), which a capture records and each replay repeats
+        self._zero_recorded = False
+        #: inside such a step, at a window's start: backward_step clears, whatever _zeroed_ahead says
+        self._zero_in_step = False
         #: ``self.log`` for the module's steps (see fast_log.py), put in place by run_step on the
         #: eager engine and around the engine's call on the compiled ones (engine_steps); else None
         self.step_log = None
@@ -101,6 +107,13 @@ class ModuleRunner(FasttrainTrainer):
         # engine's call, outside the traced function (engine_steps); eager puts it in run_step
         eager = getattr(self._engine, "name", None) == "eager"
         log = step_logger(self.lt.lightning_module, self.lt)
+        # LightningModule's default zeroing (no zero-grad hook of the module's or a callback's)
+        # with every batch its window's first: the graphs of the update can hold it (_ZeroGradAhead)
+        self._zero_recorded = (
+            getattr(self._engine, "name", None) == "cudagraph"
+            and not self.lt._own_zero_grad
+            and self.lt.accumulate_grad_batches == 1
+        )
         self.step_log, self._log_around_engine = (log, None) if eager else (None, log)
         self._full_precision = self._accelerator.mixed_precision == "no"
         if not self._full_precision:
@@ -265,8 +278,8 @@ class ModuleRunner(FasttrainTrainer):
 
     def backward_step(self, loss):
         lt = self.lt
-        if self.window_start and not self._zeroed_ahead:
-            self.zero_grad_at_window_start()
+        if self.window_start and (not self._zeroed_ahead or self._zero_in_step):
+            self.zero_grad_at_window_start(in_place=self._zero_in_step)
         if lt._plain_backward_hooks:
             FasttrainTrainer.backward_step(self, loss)  # super() without building a super object per step
         else:
@@ -409,7 +422,15 @@ class _ZeroGradAhead:
     gradients they set to None get their captured tensors back, zeroed, before a replay (the
     replay guard), which gives the new gradients as a fresh backward would. Only the place
     relative to the training step moves, whose own Python a replay does not run anyway.
-    Re-entered by a step that is undone and run again (a failed capture), it clears once."""
+    Re-entered by a step that is undone and run again (a failed capture), it clears once.
+
+    Where every batch opens a window (``accumulate_grad_batches=1``) and the zeroing is
+    LightningModule's default, it stays where Lightning has it, in ``backward_step`` after the
+    training step, in place: a capture records the foreach zero with the step and each replay
+    repeats it, so a replayed step launches nothing of its own for it. (With accumulation the
+    graph of the non-stepping batches serves both a window's first batch and the ones after it,
+    so the clearing of the first is made before the step, as above.) Each run of the step's
+    body inside the block clears: a capture that failed, and was undone, and the run after it."""
 
     __slots__ = ("runner",)
 
@@ -419,11 +440,17 @@ class _ZeroGradAhead:
     def __enter__(self) -> None:
         runner = self.runner
         if not runner._zeroed_ahead and runner.window_start:
-            runner.zero_grad_at_window_start(in_place=True)
+            if runner._zero_recorded:
+                runner._zero_in_step = True  # backward_step clears (recorded by a capture)
+            else:
+                runner.zero_grad_at_window_start(in_place=True)
         runner._zeroed_ahead += 1
 
     def __exit__(self, *exc) -> None:
-        self.runner._zeroed_ahead -= 1
+        runner = self.runner
+        runner._zeroed_ahead -= 1
+        if not runner._zeroed_ahead:
+            runner._zero_in_step = False
 
 
 def _sized(loader) -> bool:
