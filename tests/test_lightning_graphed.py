@@ -648,3 +648,47 @@ def test_a_replays_logged_values_are_copied_together_and_kept_apart_from_the_nex
         assert fresh[7][2] == 2.5
         for value in outputs[:7]:
             value.sub_(1000)
+
+
+def test_a_replays_calls_go_straight_into_their_entries_once_the_store_has_filed_them_alike():
+    """From the second replay on, a replay's ``self.log`` calls are filed straight into the
+    store's entries, with the first call's checks behind them, instead of through the pending list
+    and a second round of checks. A call the store has not filed with the same arguments (the
+    first replay, a key logged in between with other arguments, another evaluation loader) goes
+    the checking way, as the loop's drain files it."""
+    from fasttrain.lightning.graph_logging import _ReplayedCalls
+    from fasttrain.lightning.results import ResultStore
+
+    store = ResultStore(training=True)
+    store.start_batch(torch.zeros(4, 2))
+    loss, norm = torch.tensor(1.5), torch.tensor(3.0)
+    store.recording = True  # as while a step is captured: the calls are recorded
+    store.log("training_step", "loss", loss, on_step=True, on_epoch=True)
+    store.log("training_step", "norm", norm, reduce_fx="max")
+    calls, store.pending, store.recording = list(store.pending), [], False
+    replayed = _ReplayedCalls(calls)
+    assert not replayed.file_into(store) and store.pending == []  # keys new to the store
+    store.pending.extend(replayed.with_fresh_values())
+    store.drain(torch.device("cpu"))
+    loss.fill_(2.5)  # the next replay writes into the captured outputs
+    norm.fill_(5.0)
+    assert replayed.file_into(store) and store.pending == []
+    entry = store.entries["training_step.loss"]
+    assert entry.step_value.item() == 2.5 and entry.step_value is not loss  # a copy of the replay's
+    assert entry.epoch_value().item() == 2.0  # the mean of 1.5 and 2.5, four samples each
+    assert store.entries["training_step.norm"].epoch_value().item() == 5.0
+    # an eager hook logs the key with other arguments of the same meaning: they are the entry's now
+    store.log("training_step", "loss", torch.tensor(0.5), on_step=True, on_epoch=True, reduce_fx=torch.mean)
+    assert not replayed.file_into(store)
+    # an evaluation store whose loader changed names other entries
+    val = ResultStore(training=False)
+    val.start_batch(torch.zeros(2, 2), dataloader_idx=0)
+    val.recording = True
+    val.log("validation_step", "acc", torch.tensor(1.0))
+    calls, val.pending, val.recording = list(val.pending), [], False
+    replayed = _ReplayedCalls(calls)
+    val._log(*calls[0])
+    assert replayed.file_into(val)
+    val.start_batch(torch.zeros(2, 2), dataloader_idx=1)
+    assert not replayed.file_into(val)
+    assert set(val.entries) == {"validation_step.acc/dataloader_idx_0"}

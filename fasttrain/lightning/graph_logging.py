@@ -168,7 +168,9 @@ class LoggedCalls(HostEffects):
         if effects is None:
             return
         store, calls = effects
-        store.pending.extend(calls.with_fresh_values())
+        # calls filed before the step (its eager hooks') go first, as the loop's drain would
+        if store.pending or not calls.file_into(store):
+            store.pending.extend(calls.with_fresh_values())
 
 
 class _ReplayedCalls:
@@ -178,10 +180,14 @@ class _ReplayedCalls:
     ``self.log`` is given, are copied together: one ``stack`` and views of it, one kernel for a
     step that logs a gradient norm per parameter instead of one copy each."""
 
-    __slots__ = ("calls", "_stacked", "_cloned")
+    __slots__ = ("calls", "_stacked", "_cloned", "_entries", "_entries_loader")
 
     def __init__(self, calls: list):
         self.calls = calls
+        #: ``(entry, batch_size)`` each call files into, as last resolved (file_into), and the
+        #: evaluation loader it was resolved for (its index names the entries)
+        self._entries = None
+        self._entries_loader = None
         groups: dict = {}
         cloned = []
         for i, call in enumerate(calls):
@@ -195,13 +201,33 @@ class _ReplayedCalls:
                          for positions in groups.values() if len(positions) > 1]
         self._cloned = cloned + [positions[0] for positions in groups.values() if len(positions) == 1]
 
-    def with_fresh_values(self) -> list:
-        calls = self.calls
-        values = [call[_VALUE] for call in calls]
+    def fresh_values(self) -> list:
+        """The calls' values, each tensor a copy of what the last replay wrote into it."""
+        values = [call[_VALUE] for call in self.calls]
         with torch.no_grad():
             for i in self._cloned:
                 values[i] = values[i].clone()
             for positions, scalars in self._stacked:
                 for i, value in zip(positions, torch.stack(scalars).unbind()):
                     values[i] = value
-        return [(*call[:_VALUE], value, *call[_VALUE + 1:]) for call, value in zip(calls, values)]
+        return values
+
+    def with_fresh_values(self) -> list:
+        return [(*call[:_VALUE], value, *call[_VALUE + 1:]) for call, value in zip(self.calls, self.fresh_values())]
+
+    def file_into(self, store) -> bool:
+        """File the calls into ``store`` with fresh values, as its ``drain`` would, where each is
+        one the store has filed before with the same arguments (from the second replay on, every
+        one): straight into their entries, without the pending list. False, filing nothing,
+        where one is not."""
+        entries = self._entries
+        if entries is None or self._entries_loader != store.dataloader_idx or not all(
+            entry.given_arguments is given for entry, given, _ in entries
+        ):
+            entries = self._entries = store.filed_entries(self.calls)
+            self._entries_loader = store.dataloader_idx
+            if entries is None:
+                return False
+        for (entry, _, batch_size), value in zip(entries, self.fresh_values()):
+            store.update_entry(entry, value, batch_size)
+        return True

@@ -222,15 +222,18 @@ class ResultStore:
             self._log(*args)
         pending.clear()
 
+    def _key(self, fx, name, add_dataloader_idx) -> tuple:
+        suffix = ""
+        if add_dataloader_idx and self.dataloader_idx is not None:
+            suffix = f"/dataloader_idx_{self.dataloader_idx}"
+        return f"{fx}.{name}{suffix}", suffix
+
     def _log(self, fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph,
              add_dataloader_idx, batch_size, sync_dist, sync_dist_fn, sync_dist_group, metric_attribute=None,
              rank_zero_only=False) -> None:
         if not on_step and not on_epoch:
             raise LightningConfigError("`self.log(on_step=False, on_epoch=False)` is not useful.")
-        suffix = ""
-        if add_dataloader_idx and self.dataloader_idx is not None:
-            suffix = f"/dataloader_idx_{self.dataloader_idx}"
-        key = f"{fx}.{name}{suffix}"
+        key, suffix = self._key(fx, name, add_dataloader_idx)
         # the exact type first: isinstance goes through torch.Tensor's metaclass (every self.log)
         is_metric = type(value) is not torch.Tensor and not isinstance(value, torch.Tensor)
         entry = self.entries.get(key)
@@ -239,9 +242,7 @@ class ResultStore:
         given = (on_step, on_epoch, reduce_fx, prog_bar, logger, enable_graph, add_dataloader_idx, metric_attribute,
                  sync_dist, sync_dist_group, rank_zero_only, is_metric)
         if entry is not None and entry.given_arguments == given:
-            if batch_size is None:
-                batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
-            entry.update(value, batch_size)
+            self.update_entry(entry, value, batch_size)
             return
         sync = None
         if sync_dist and sync_dist_fn is not None and not is_metric:
@@ -269,6 +270,30 @@ class ResultStore:
         if batch_size is None:
             batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
         entry.update(value, batch_size)
+
+    def update_entry(self, entry: LoggedValue, value, batch_size: Optional[int]) -> None:
+        """A value for ``entry``, whose call passed the checks of its first one (``_log``)."""
+        if batch_size is None:
+            batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
+        entry.update(value, batch_size)
+
+    def filed_entries(self, calls: list) -> Optional[list]:
+        """For calls recorded by :meth:`log` (a captured step's), ``(entry, given arguments,
+        batch_size)`` each would be filed into by :meth:`_log` without a check, because the
+        store has filed the same key with the same arguments before; None where one would not
+        be, or logs a Python number (which :meth:`drain` turns into a tensor first)."""
+        found = []
+        for (fx, name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, enable_graph, add_dataloader_idx,
+             batch_size, sync_dist, _sync_dist_fn, sync_dist_group, metric_attribute, rank_zero_only) in calls:
+            if type(value) is not torch.Tensor or not (on_step or on_epoch):
+                return None
+            entry = self.entries.get(self._key(fx, name, add_dataloader_idx)[0])
+            given = (on_step, on_epoch, reduce_fx, prog_bar, logger, enable_graph, add_dataloader_idx,
+                     metric_attribute, sync_dist, sync_dist_group, rank_zero_only, False)
+            if entry is None or entry.given_arguments != given:
+                return None
+            found.append((entry, entry.given_arguments, batch_size))
+        return found
 
     def _current_batch_size(self) -> int:
         if self._batch_size is None:
