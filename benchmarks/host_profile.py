@@ -13,11 +13,19 @@ the profiler, the same way, since profiling slows Python calls.
 Writes ``FOLDER/host_profile.md``: per peer, microseconds per step (unprofiled and profiled), the
 functions that take the most of a step by their own time, and the fasttrain and Lightning
 functions by their time with what they call.
+
+``--free-replays`` (CPU only) runs the graphed engine's own logic with replays that do nothing
+(``benchmarks/replay_overhead.py``), as ``engine="auto"`` picks it on CUDA: what is left of a
+replayed step is the host's work around the replay, by function, without a GPU::
+
+    OMP_NUM_THREADS=1 python3 benchmarks/host_profile.py --device cpu --free-replays --workload overhead \
+        --peers fasttrain-cudagraph,fasttrain-lightning --steps 2000 --warmup 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
@@ -134,11 +142,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300, help="steps profiled beyond the warm-up call's")
     parser.add_argument("--warmup", type=int, default=8, help="steps of the short call and of each call's warm-up")
     parser.add_argument("--out", default=None, help="folder for host_profile.md (default: print only)")
+    parser.add_argument("--free-replays", action="store_true",
+                        help="CPU only: the graphed engine with replays that cost nothing (replay_overhead.py)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
     unknown = [n for n in names if n not in PEERS]
     if unknown:
         parser.error(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if args.free_replays and args.device != "cpu":
+        parser.error("--free-replays stands in for the graphed engine's replays on the CPU; use --device cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device; use --device cpu")
     if args.device == "cpu":
@@ -147,20 +159,29 @@ def main(argv=None) -> int:
                              precision=args.precision)
     workload.resize(args.warmup + args.steps)
     results = []
-    for name in names:
-        peer = PEERS[name](workload)
-        try:
-            with quiet():  # the peers' progress bars and prints, as the bench silences them
-                peer.setup()
-                measured = profile_peer(peer, args.warmup, args.steps)
-            results.append((name, None, *measured))
-        except PeerUnavailable as exc:
-            results.append((name, str(exc), 0.0, 0.0, {}))
-        finally:
-            peer.close()
+    engines = contextlib.nullcontext()
+    if args.free_replays:
+        from replay_overhead import graphed_engine_on_the_cpu
+
+        engines = graphed_engine_on_the_cpu()
+    with engines:
+        for name in names:
+            peer = PEERS[name](workload)
+            try:
+                with quiet():  # the peers' progress bars and prints, as the bench silences them
+                    peer.setup()
+                    measured = profile_peer(peer, args.warmup, args.steps)
+                results.append((name, None, *measured))
+            except PeerUnavailable as exc:
+                results.append((name, str(exc), 0.0, 0.0, {}))
+            finally:
+                peer.close()
     header = [f"- {args.workload} {workload.size}, batch {workload.batch_size}, on {args.device}, "
               f"torch {torch.__version__}; each peer: run({args.warmup + args.steps}) minus run({args.warmup}), "
               f"over {args.steps} steps"]
+    if args.free_replays:
+        header.append("- the graphed engine's replays cost nothing here (benchmarks/replay_overhead.py): a "
+                      "replayed step's time is the host's work around the replay")
     text = report(results, header)
     print(text)
     if args.out:

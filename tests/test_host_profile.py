@@ -40,3 +40,26 @@ def test_cpu_run_reports_each_peers_steady_step(tmp_path):
         # one backward per step, in every peer
         assert re.search(r"\| `<method 'run_backward' of 'torch._C._EngineBase' objects>` \| 1\.00 \|", section)
     assert "| `train_epoch (fasttrain/loops.py:" in fasttrain and "fasttrain/loops.py" not in bare
+
+
+def test_free_replays_profile_the_host_work_around_a_graphed_step(tmp_path):
+    """On the CPU the graphed engine's replays can cost nothing (replay_overhead.py): what is left
+    of a step is the host's work around the replay, here fasttrain-cudagraph's, which replays a
+    graph at every profiled step and so runs no backward of its own."""
+    threads = torch.get_num_threads()
+    try:
+        assert H.main(["--device", "cpu", "--free-replays", "--workload", "overhead", "--peers",
+                       "fasttrain-cudagraph", "--steps", "40", "--warmup", "20", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    text = (tmp_path / "host_profile.md").read_text()
+    assert "replays cost nothing here" in text
+    section = text.split("### fasttrain-cudagraph")[1]
+    assert re.search(r"\| `_replay \(fasttrain/engine/cudagraph.py:\d+\)` \| 1\.00 \|", section)
+    assert "run_backward" not in section
+
+
+def test_free_replays_are_refused_off_the_cpu(capsys):
+    with pytest.raises(SystemExit):
+        H.main(["--device", "cuda", "--free-replays"])
+    assert "--free-replays stands in for the graphed engine's replays on the CPU" in capsys.readouterr().err

@@ -204,12 +204,13 @@ class _ReplayedCalls:
     def fresh_values(self) -> list:
         """The calls' values, each tensor a copy of what the last replay wrote into it."""
         values = [call[_VALUE] for call in self.calls]
-        with torch.no_grad():
-            for i in self._cloned:
-                values[i] = values[i].clone()
-            for positions, scalars in self._stacked:
-                for i, value in zip(positions, torch.stack(scalars).unbind()):
-                    values[i] = value
+        for i in self._cloned:
+            values[i] = values[i].detach().clone()  # detached: a copy records no autograd history
+        if self._stacked:
+            with torch.no_grad():
+                for positions, scalars in self._stacked:
+                    for i, value in zip(positions, torch.stack(scalars).unbind()):
+                        values[i] = value
         return values
 
     def with_fresh_values(self) -> list:
