@@ -45,7 +45,7 @@ def test_cpu_run_reports_each_peers_steady_step(tmp_path):
 def test_free_replays_profile_the_host_work_around_a_graphed_step(tmp_path):
     """On the CPU the graphed engine's replays can cost nothing (replay_overhead.py): what is left
     of a step is the host's work around the replay, here fasttrain-cudagraph's, which replays a
-    graph at every profiled step and so runs no backward of its own."""
+    graph at every profiled step and so runs no backward of its own there."""
     threads = torch.get_num_threads()
     try:
         assert H.main(["--device", "cpu", "--free-replays", "--workload", "overhead", "--peers",
@@ -56,7 +56,9 @@ def test_free_replays_profile_the_host_work_around_a_graphed_step(tmp_path):
     assert "replays cost nothing here" in text
     section = text.split("### fasttrain-cudagraph")[1]
     assert re.search(r"\| `_replay \(fasttrain/engine/cudagraph.py:\d+\)` \| 1\.00 \|", section)
-    assert "run_backward" not in section
+    # no backward per step (a call's warm-up runs some, the same in the short and the long call)
+    backward = re.search(r"run_backward' of 'torch._C._EngineBase' objects>` \| ([\d.]+) \|", section)
+    assert backward is None or float(backward.group(1)) < 0.5
 
 
 def test_free_replays_are_refused_off_the_cpu(capsys):
