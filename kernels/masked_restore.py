@@ -59,6 +59,11 @@ def snapshot_nbytes(tensors: Sequence[Tensor]) -> int:
     return sum(_place(_nbytes(t)) for t in tensors)
 
 
+def _empty_snapshot(tensors: Sequence[Tensor]) -> Tensor:
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return torch.empty(snapshot_nbytes(tensors), dtype=torch.uint8, device=device)
+
+
 def _offsets(tensors: Sequence[Tensor]) -> List[int]:
     offsets, at = [], 0
     for t in tensors:
@@ -165,8 +170,7 @@ def _views(tensors: Sequence[Tensor], snapshot: Tensor) -> List[Tensor]:
 def save_snapshot_reference(tensors: Sequence[Tensor]) -> Tensor:
     """Plain PyTorch version of :func:`save_snapshot` (one multi-tensor copy, no sync)."""
     tensors = list(tensors)
-    device = tensors[0].device if tensors else torch.device("cpu")
-    snapshot = torch.empty(snapshot_nbytes(tensors), dtype=torch.uint8, device=device)
+    snapshot = _empty_snapshot(tensors)
     if tensors:
         torch._foreach_copy_(_views(tensors, snapshot), tensors)
     return snapshot
@@ -212,9 +216,9 @@ def save_snapshot_triton(
     tensors = mt.as_tensor_list(tensors, "save_snapshot_triton")
     mt.check_sizes(chunk_size, block_size)
     if not tensors:
-        return torch.empty(0, dtype=torch.uint8)
+        return _empty_snapshot(tensors)
     _check_launch(tensors, "save_snapshot_triton")
-    snapshot = torch.empty(snapshot_nbytes(tensors), dtype=torch.uint8, device=tensors[0].device)
+    snapshot = _empty_snapshot(tensors)
     _launch(tensors, snapshot, None, True, chunk_size, block_size)
     return snapshot
 
@@ -264,7 +268,7 @@ def _save_snapshot_fake(tensors):
 def _save_snapshot_cuda(tensors):
     if not _walkable(tensors):
         return save_snapshot_reference(tensors)
-    snapshot = torch.empty(snapshot_nbytes(tensors), dtype=torch.uint8, device=tensors[0].device)
+    snapshot = _empty_snapshot(tensors)
     _launch(tensors, snapshot, None, True)
     return snapshot
 

@@ -106,8 +106,9 @@ class MaskedStep:
         if not self.armed:
             return
         tensors = self._tensors_of_step()
+        # the op itself, as in _after: these are the step's own tensors, on the flag's device
         with torch.no_grad():
-            self._snapshot = kernels.save_snapshot(tensors) if tensors else None
+            self._snapshot = torch.ops.fasttrain.save_snapshot(tensors) if tensors else None
         self._tensors = tensors
 
     # Kept out of dynamo: traced, the frame that runs this hook would guard on the snapshot, which
@@ -119,8 +120,8 @@ class MaskedStep:
         if not self.armed or not self._tensors:
             return
         # every tensor is on the flag's device: masked_step_for() refuses host step counters.
-        # The op itself, not restore_where_(): the tensors and snapshot are the pre-hook's own,
-        # so the public function's checks would only add host time to every update
+        # The ops themselves, not save_snapshot()/restore_where_(): the tensors and snapshot are
+        # the step's own, so the public functions' checks would only add host time to every update
         with torch.no_grad():
             torch.ops.fasttrain.restore_where(self._tensors, self._snapshot, self.found_inf)
         self._tensors, self._snapshot = [], None

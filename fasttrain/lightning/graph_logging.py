@@ -184,8 +184,8 @@ class _ReplayedCalls:
 
     def __init__(self, calls: list):
         self.calls = calls
-        #: ``(entry, batch_size)`` each call files into, as last resolved (file_into), and the
-        #: evaluation loader it was resolved for (its index names the entries)
+        #: ``(entry, its given arguments, batch_size)`` each call files into, as last resolved
+        #: (file_into), and the evaluation loader it was resolved for (its index names the entries)
         self._entries = None
         self._entries_loader = None
         groups: dict = {}

@@ -267,9 +267,7 @@ class ResultStore:
                 f"You called `self.log({name}, ...)` twice in `{fx}` with different arguments. This is not allowed"
             )
         entry.given_arguments = given
-        if batch_size is None:
-            batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
-        entry.update(value, batch_size)
+        self.update_entry(entry, value, batch_size)
 
     def update_entry(self, entry: LoggedValue, value, batch_size: Optional[int]) -> None:
         """A value for ``entry``, whose call passed the checks of its first one (``_log``)."""
@@ -288,6 +286,7 @@ class ResultStore:
             if type(value) is not torch.Tensor or not (on_step or on_epoch):
                 return None
             entry = self.entries.get(self._key(fx, name, add_dataloader_idx)[0])
+            # built as _log builds it (inline there: it runs at every self.log)
             given = (on_step, on_epoch, reduce_fx, prog_bar, logger, enable_graph, add_dataloader_idx,
                      metric_attribute, sync_dist, sync_dist_group, rank_zero_only, False)
             if entry is None or entry.given_arguments != given:

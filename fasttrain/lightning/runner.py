@@ -45,8 +45,6 @@ class ModuleRunner(FasttrainTrainer):
         #: Lightning's default zeroing when every batch opens a window (decided per run, see
         #: _decide_step_calls), which a capture records and each replay repeats
         self._zero_recorded = False
-        #: inside such a step, at a window's start: backward_step clears, whatever _zeroed_ahead says
-        self._zero_in_step = False
         #: ``self.log`` for the module's steps (see fast_log.py), put in place by run_step on the
         #: eager engine and around the engine's call on the compiled ones (engine_steps); else None
         self.step_log = None
@@ -105,14 +103,13 @@ class ModuleRunner(FasttrainTrainer):
         """What calling a step method involves in this run, decided once (see :meth:`run_step`)."""
         # the compiled engines trace the step with its self.log: the log goes in place around the
         # engine's call, outside the traced function (engine_steps); eager puts it in run_step
-        eager = getattr(self._engine, "name", None) == "eager"
+        engine_name = getattr(self._engine, "name", None)
+        eager = engine_name == "eager"
         log = step_logger(self.lt.lightning_module, self.lt)
         # LightningModule's default zeroing (no zero-grad hook of the module's or a callback's)
         # with every batch its window's first: the graphs of the update can hold it (_ZeroGradAhead)
         self._zero_recorded = (
-            getattr(self._engine, "name", None) == "cudagraph"
-            and not self.lt._own_zero_grad
-            and self.lt.accumulate_grad_batches == 1
+            engine_name == "cudagraph" and not self.lt._own_zero_grad and self.lt.accumulate_grad_batches == 1
         )
         self.step_log, self._log_around_engine = (log, None) if eager else (None, log)
         self._full_precision = self._accelerator.mixed_precision == "no"
@@ -122,7 +119,7 @@ class ModuleRunner(FasttrainTrainer):
         # Lightning passes batch_idx only to a step whose signature takes it (read once per run)
         module = self.lt.lightning_module
         self._strategy_backward = self.lt.strategy.backward
-        if getattr(self._engine, "name", None) == "cudagraph" and not self.lt._plain_backward_hooks:
+        if engine_name == "cudagraph" and not self.lt._plain_backward_hooks:
             # the backward hooks run inside the captured step: compiled, so that their Python is
             # checked before each replay (graphed_hooks.py); other runs call them through the
             # HookCaller that fit._attach set for this run
@@ -278,8 +275,9 @@ class ModuleRunner(FasttrainTrainer):
 
     def backward_step(self, loss):
         lt = self.lt
-        if self.window_start and (not self._zeroed_ahead or self._zero_in_step):
-            self.zero_grad_at_window_start(in_place=self._zero_in_step)
+        if self.window_start and (not self._zeroed_ahead or self._zero_recorded):
+            # inside the graphed engine's step (_ZeroGradAhead) the tensors stay bound: in place
+            self.zero_grad_at_window_start(in_place=self._zeroed_ahead > 0)
         if lt._plain_backward_hooks:
             FasttrainTrainer.backward_step(self, loss)  # super() without building a super object per step
         else:
@@ -439,18 +437,13 @@ class _ZeroGradAhead:
 
     def __enter__(self) -> None:
         runner = self.runner
-        if not runner._zeroed_ahead and runner.window_start:
-            if runner._zero_recorded:
-                runner._zero_in_step = True  # backward_step clears (recorded by a capture)
-            else:
-                runner.zero_grad_at_window_start(in_place=True)
+        # where the zeroing is recorded with the step, backward_step clears instead
+        if not runner._zeroed_ahead and runner.window_start and not runner._zero_recorded:
+            runner.zero_grad_at_window_start(in_place=True)
         runner._zeroed_ahead += 1
 
     def __exit__(self, *exc) -> None:
-        runner = self.runner
-        runner._zeroed_ahead -= 1
-        if not runner._zeroed_ahead:
-            runner._zero_in_step = False
+        self.runner._zeroed_ahead -= 1
 
 
 def _sized(loader) -> bool:
