@@ -217,10 +217,28 @@ def _eager_and_graphed(case):
     return eager, graphed
 
 
+class TiedNormedMLP(torch.nn.Module):
+    """A model shaped like users' at its ends: a final LayerNorm and an output layer tied to the
+    input layer's weight (its gradient summed from two uses)."""
+
+    def __init__(self, d_in=8, width=16, classes=3):
+        super().__init__()
+        self.classes = classes
+        self.inp = torch.nn.Linear(d_in, width)
+        self.ln_f = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        h = self.ln_f(torch.nn.functional.gelu(self.inp(x)))
+        return torch.nn.functional.linear(h, self.inp.weight.t())[:, : self.classes]
+
+
+@pytest.mark.parametrize("model", ["mlp", "tied-final-norm"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_the_graphed_engine_captures_the_masked_skip(device_like, optimizer):
+def test_the_graphed_engine_captures_the_masked_skip(device_like, optimizer, model):
     case = mlp_case(trainer_cls=functools.partial(Trainer, nonfinite="skip"), epochs=1)
     case.data = _poisoned_vectors
+    if model == "tied-final-norm":
+        case.model = TiedNormedMLP
     if optimizer == "sgd":  # no momentum: no optimizer state ever, ready from the first update
         case.optimizer = lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
         case.train_kwargs["create_scheduler_fn"] = None
