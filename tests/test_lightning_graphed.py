@@ -659,6 +659,7 @@ def test_a_replays_calls_go_straight_into_their_entries_once_the_store_has_filed
     the checking way, as the loop's drain files it."""
     from fasttrain.lightning.graph_logging import _ReplayedCalls
     from fasttrain.lightning.results import ResultStore
+    from host_reads import HostReads
 
     store = ResultStore(training=True)
     store.start_batch(torch.zeros(4, 2))
@@ -673,11 +674,27 @@ def test_a_replays_calls_go_straight_into_their_entries_once_the_store_has_filed
     store.drain(torch.device("cpu"))
     loss.fill_(2.5)  # the next replay writes into the captured outputs
     norm.fill_(5.0)
-    assert replayed.file_into(store) and store.pending == []
+    with HostReads() as counted:
+        assert replayed.file_into(store) and store.pending == []
+    # no copy of the replay's outputs is made for a value nobody reads: the epoch's sum reads it now
+    assert counted.ops == {"mul": 1, "add": 1, "maximum": 1} and counted.reads == 0, counted.ops
     entry = store.entries["training_step.loss"]
-    assert entry.step_value.item() == 2.5 and entry.step_value is not loss  # a copy of the replay's
     assert entry.epoch_value().item() == 2.0  # the mean of 1.5 and 2.5, four samples each
     assert store.entries["training_step.norm"].epoch_value().item() == 5.0
+    read = store.metrics(on_step=True)["callback"]["loss_step"]  # what a callback may keep
+    assert read.item() == 2.5 and read is not loss  # a copy of the replay's output
+    loss.fill_(7.0)  # the next replay writes into the captured outputs: what was read stays
+    norm.fill_(1.0)
+    assert read.item() == 2.5 and entry.epoch_value().item() == 2.0
+    assert replayed.file_into(store)
+    assert store.metrics(on_step=True)["callback"]["loss_step"].item() == 7.0
+    assert store.entries["training_step.norm"].epoch_value().item() == 5.0  # the max of 1.5, 5 and 1
+    # an epoch's first value filed from a replay starts a max from a copy, not from the output
+    store.reset()
+    norm.fill_(4.0)
+    assert replayed.file_into(store)
+    norm.fill_(0.5)
+    assert store.entries["training_step.norm"].epoch_value().item() == 4.0
     # an eager hook logs the key with other arguments of the same meaning: they are the entry's now
     store.log("training_step", "loss", torch.tensor(0.5), on_step=True, on_epoch=True, reduce_fx=torch.mean)
     assert not replayed.file_into(store)

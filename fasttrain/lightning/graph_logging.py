@@ -217,8 +217,8 @@ class _ReplayedCalls:
         return [(*call[:_VALUE], value, *call[_VALUE + 1:]) for call, value in zip(self.calls, self.fresh_values())]
 
     def file_into(self, store) -> bool:
-        """File the calls into ``store`` with fresh values, as its ``drain`` would, where each is
-        one the store has filed before with the same arguments (from the second replay on, every
+        """File the calls into ``store``, as its ``drain`` would, where each is one the store has
+        filed before with the same arguments (from the second replay on, every
         one): straight into their entries, without the pending list. False, filing nothing,
         where one is not."""
         entries = self._entries
@@ -229,6 +229,8 @@ class _ReplayedCalls:
             self._entries_loader = store.dataloader_idx
             if entries is None:
                 return False
-        for (entry, _, batch_size), value in zip(entries, self.fresh_values()):
-            store.update_entry(entry, value, batch_size)
+        # the replay's own output tensors: an entry copies one where it is read (read_step_value),
+        # where a copy here would cost a kernel launch per value and step
+        for (entry, _, batch_size), call in zip(entries, self.calls):
+            store.update_entry(entry, call[_VALUE], batch_size, True)
         return True

@@ -80,8 +80,8 @@ class LoggedValue:
 
     __slots__ = (
         "fx", "name", "on_step", "on_epoch", "reduce", "prog_bar", "logger", "enable_graph",
-        "sync", "metric", "step_value", "total", "count", "has_value", "_computed", "given_options", "suffix",
-        "given_arguments",
+        "sync", "metric", "step_value", "step_live", "total", "count", "has_value", "_computed", "given_options",
+        "suffix", "given_arguments",
         "dataloader_idx",
     )
 
@@ -98,6 +98,9 @@ class LoggedValue:
         self.sync: Optional[Callable] = sync  # reduces a tensor over processes (sync_dist=True)
         self.metric = metric  # a torchmetrics Metric, or None for tensors
         self.step_value: Optional[torch.Tensor] = None
+        #: whether ``step_value`` is a captured step's output, which the step's next replay
+        #: overwrites: copied when it is read (:meth:`read_step_value`), before any replay can
+        self.step_live = False
         self.total: Optional[torch.Tensor] = None
         self.count = 0  # a host int: batch sizes are host values, adding them costs no sync
         self.has_value = False
@@ -106,9 +109,15 @@ class LoggedValue:
         #: the arguments of the last call that passed the checks (results.py: ResultStore._log)
         self.given_arguments: Optional[tuple] = None
 
-    def update(self, value, batch_size: int) -> None:
+    def update(self, value, batch_size: int, live: bool = False) -> None:
+        """File ``value`` (of a step whose batch has ``batch_size`` samples). ``live``: the value
+        is the output tensor of a captured step, which its next replay writes again: it is kept
+        as it is for the step value, and copied only where something reads it (most steps' values
+        are never read: the loggers and the progress bar read them at flushes), where copying it
+        at every replay would cost a kernel launch per logged value and step."""
         self.has_value = True
         self._computed = None
+        self.step_live = False
         if self.metric is not None:
             self.metric = value
             self.step_value = value._forward_cache
@@ -116,13 +125,19 @@ class LoggedValue:
         if not (value.dtype == torch.float32 or value.dtype == torch.float64):
             # Lightning keeps logged values in the default float dtype so means stay exact
             value = value.to(torch.get_default_dtype())
+            live = False  # a new tensor
+        elif live and self.sync is not None:
+            value = value.clone()  # the reduction over processes may work in place
+            live = False
         if self.on_step:
             self.step_value = self.sync(value, self.reduce) if self.sync is not None else value
+            self.step_live = live
             if not self.on_epoch:
                 return
         reduce = self.reduce
         if self.total is None:
-            self.total = value * batch_size if reduce == "mean" else value
+            # the sum of a mean is a new tensor; the others start from the value itself
+            self.total = value * batch_size if reduce == "mean" else (value.clone() if live else value)
         elif reduce == "mean":
             self.total = self.total + value * batch_size
         elif reduce == "sum":
@@ -133,6 +148,14 @@ class LoggedValue:
             self.total = torch.minimum(self.total, value)
         if reduce == "mean":
             self.count += batch_size
+
+    def read_step_value(self) -> Optional[torch.Tensor]:
+        """The latest step's value, for a reader that may keep it: a captured step's output is
+        copied first (once; a replay files the next one)."""
+        if self.step_live:
+            self.step_value = self.step_value.detach().clone()
+            self.step_live = False
+        return self.step_value
 
     def epoch_value(self) -> Optional[torch.Tensor]:
         """The epoch reduction (cached until the next update); a collective when ``sync_dist``."""
@@ -159,7 +182,7 @@ class LoggedValue:
         return value
 
     def reset(self) -> None:
-        self.has_value = False
+        self.has_value = self.step_live = False
         self.step_value = self.total = self._computed = None
         self.count = 0
         if self.metric is not None:
@@ -269,11 +292,12 @@ class ResultStore:
         entry.given_arguments = given
         self.update_entry(entry, value, batch_size)
 
-    def update_entry(self, entry: LoggedValue, value, batch_size: Optional[int]) -> None:
-        """A value for ``entry``, whose call passed the checks of its first one (``_log``)."""
+    def update_entry(self, entry: LoggedValue, value, batch_size: Optional[int], live: bool = False) -> None:
+        """A value for ``entry``, whose call passed the checks of its first one (``_log``);
+        ``live``: a captured step's output (:meth:`LoggedValue.update`)."""
         if batch_size is None:
             batch_size = self._current_batch_size() if entry.on_epoch and entry.reduce == "mean" else 1
-        entry.update(value, batch_size)
+        entry.update(value, batch_size, live)
 
     def filed_entries(self, calls: list) -> Optional[list]:
         """For calls recorded by :meth:`log` (a captured step's), ``(entry, given arguments,
@@ -316,7 +340,7 @@ class ResultStore:
             if not entry.has_value or (dataloader_idx is not _ALL and entry.dataloader_idx != dataloader_idx):
                 continue
             if on_step:
-                value = entry.step_value if entry.on_step else None
+                value = entry.read_step_value() if entry.on_step else None
             else:
                 value = entry.epoch_value() if entry.on_epoch else None
             if not isinstance(value, torch.Tensor):
