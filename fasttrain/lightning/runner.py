@@ -197,13 +197,15 @@ class ModuleRunner(FasttrainTrainer):
         Lightning calls it; else through the prepared model, so DDP sees it as the forward), with
         ``_current_fx_name`` set for ``self.log`` and, on the eager engine, the fast ``self.log``
         in place while it runs."""
-        state = self.lt.lightning_module.__dict__  # skips nn.Module.__setattr__ on the hot path
+        # the module, read one way: a compiled step reaching one object along two paths is
+        # guarded on their being the same object before each call (and each replay)
+        step = self._step_methods_of
+        state = (step if step is not None else self.lt.lightning_module).__dict__  # skips nn.Module.__setattr__
         state["_current_fx_name"] = name
         step_log = self.step_log
         if step_log is not None:
             state["log"] = step_log
         try:
-            step = self._step_methods_of
             if step is not None:
                 # no module hooks, no nn.Module call on the hot path (calls_steps_directly)
                 target = getattr(step, name)
