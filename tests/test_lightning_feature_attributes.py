@@ -4,6 +4,7 @@ assignable logger/loggers, PL_TRAINER_* environment defaults, the callbacks_fact
 point, default_root_dir "~", the public values of max_epochs/num_sanity_val_steps and
 trainer.state.stage in every loop."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from lightning.pytorch.profilers import SimpleProfiler  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
+from fasttrain.lightning import external_callbacks  # noqa: E402
 from lightning_modules import QUIET, VAL, Classifier, loader, train_loader, val_loader  # noqa: E402
 
 BOTH = (L.Trainer, Trainer)
@@ -92,13 +94,45 @@ class _EntryPoint:
         return lambda: [_FromFactory()]
 
 
+def _installed_entry_points(monkeypatch, looked_up=None):
+    # the group's entries, as Lightning's registry and fasttrain.lightning find them
+    def entry_points(group):
+        if looked_up is not None:
+            looked_up.append(group)
+        return [_EntryPoint()] if group == "lightning.pytorch.callbacks_factory" else []
+
+    monkeypatch.setattr(registry, "entry_points", entry_points)
+    monkeypatch.setattr(external_callbacks, "entry_points", entry_points)
+    monkeypatch.setattr(external_callbacks, "_FOUND", {})
+
+
 def test_callbacks_factory_entry_point_like_lightning(monkeypatch):
-    monkeypatch.setattr(
-        registry, "entry_points", lambda group: [_EntryPoint()] if group == "lightning.pytorch.callbacks_factory" else []
-    )
+    _installed_entry_points(monkeypatch)
     for trainer_cls in BOTH:
         trainer = trainer_cls(enable_progress_bar=False, enable_model_summary=False, logger=False)
         assert [type(cb).__name__ for cb in trainer.callbacks] == ["_FromFactory", "ModelCheckpoint"]
+
+
+def test_installed_callbacks_are_looked_up_once_and_made_for_each_trainer(monkeypatch, tmp_path):
+    """Finding the entry points reads every installed package's metadata: a Trainer built per fit
+    does not pay it again until an installation may have changed them (a folder of sys.path
+    modified, sys.path changed). Each Trainer still gets callbacks of its own."""
+    looked_up = []
+    _installed_entry_points(monkeypatch, looked_up)
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    made = [Trainer(enable_progress_bar=False, enable_model_summary=False, logger=False).callbacks[0]
+            for _ in range(3)]
+    assert len(looked_up) == 1
+    assert all(type(cb) is _FromFactory for cb in made) and len({id(cb) for cb in made}) == 3
+    (site / "new_package-1.0.dist-info").mkdir()  # a package installed meanwhile
+    os.utime(site, ns=(0, site.stat().st_mtime_ns + 1_000_000))  # a coarse clock: changed for sure
+    Trainer(enable_progress_bar=False, enable_model_summary=False, logger=False)
+    assert len(looked_up) == 2
+    monkeypatch.syspath_prepend(str(tmp_path))
+    Trainer(enable_progress_bar=False, enable_model_summary=False, logger=False)
+    assert len(looked_up) == 3
 
 
 def test_num_nodes_must_match_the_launch():

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.registry import _load_external_callbacks
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, ProgressBar, Timer
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -31,6 +30,7 @@ from fasttrain.lightning import checkpoint as ckpt_io
 from fasttrain.lightning import logged_numbers
 from fasttrain.lightning.arguments import LightningConfigError, num_batches, parse_arguments
 from fasttrain.lightning.combined import as_given, flat
+from fasttrain.lightning.external_callbacks import external_callbacks
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loop_objects import LoopProperties
@@ -184,7 +184,7 @@ class Trainer(LoopProperties):
         # callbacks that installed packages register for every Trainer (the entry point group
         # Lightning reads)
         configure_progress_bar(callbacks, args.enable_progress_bar)
-        callbacks.extend(_load_external_callbacks("lightning.pytorch.callbacks_factory"))
+        callbacks.extend(external_callbacks())
         check_supported_callbacks(callbacks)
         _validate_callbacks_list(callbacks)
         return order_callbacks(callbacks)
