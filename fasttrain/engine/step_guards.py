@@ -75,13 +75,22 @@ class ReplayGuards:
     :param inner: the other compiled frames the capture ran, grouped by the grad mode and
         autocast state they ran in: ``(ambient, [(name, guards, arguments)])``, ``arguments()``
         those of the frame's recorded call (:class:`FramesRun`)
+
+    :meth:`failure` runs before every replay, so what it loops over is laid out for it here:
+    dynamo's own check of each variant (the guard tree's, without the Python method around it)
+    beside the values it is called with, and the inner frames flat, each with its grad mode and
+    autocast state.
     """
 
-    __slots__ = ("_checks", "_inner")
+    __slots__ = ("_checks", "_inner", "_calls", "_frames")
 
     def __init__(self, checks: List[Tuple[str, object, Callable[[], dict]]], inner: Sequence[tuple] = ()):
         self._checks = checks
         self._inner = inner
+        self._calls = tuple((_checker(guards), frame_locals) for _, guards, frame_locals in checks)
+        self._frames = tuple(
+            (ambient, _checker(guards), arguments) for ambient, group in inner for _, guards, arguments in group
+        )
 
     @classmethod
     def taken(
@@ -106,13 +115,30 @@ class ReplayGuards:
     def failure(self) -> Optional[Tuple[str, str]]:
         """``(hook, guard)`` for the first guard that fails now, or None when every compiled
         function would run the variant the graph was captured from. Host only."""
+        for check, frame_locals in self._calls:
+            if not check(frame_locals()):
+                return self._first_failure()
+        if not self._frames:
+            return None
+        # each inner frame in the grad mode and autocast state it ran in, the host's put back
+        switch = _AmbientSwitch()
+        try:
+            for ambient, check, arguments in self._frames:
+                switch.enter(ambient)
+                if not check(arguments()):
+                    break
+            else:
+                return None
+        finally:
+            switch.leave()
+        return self._first_failure()
+
+    def _first_failure(self) -> Optional[Tuple[str, str]]:
+        # the slow way, once a check failed: which guard, in dynamo's words
         for name, guards, frame_locals in self._checks:
             failed = _failed(name, guards, frame_locals())
             if failed is not None:
                 return failed
-        if not self._inner:
-            return None
-        # each inner frame in the grad mode and autocast state it ran in, entered once per group
         switch = _AmbientSwitch()
         try:
             for ambient, group in self._inner:
@@ -124,6 +150,14 @@ class ReplayGuards:
             return None
         finally:
             switch.leave()
+
+
+def _checker(guards) -> Callable[[dict], bool]:
+    """The check of a variant's guards: the guard tree's own (``GuardManagerWrapper.check`` is a
+    Python method around it), or the wrapper's where a torch keeps no tree."""
+    root = getattr(guards, "root", None)
+    check = getattr(root, "check", None)
+    return check if callable(check) else guards.check
 
 
 def _failed(name: str, guards, values: dict) -> Optional[Tuple[str, str]]:
@@ -424,6 +458,8 @@ def _arguments(recorded: dict) -> Callable[[], dict]:
     return with_tensors
 
 
+_set_grad_enabled = torch._C._set_grad_enabled
+
 #: a storage of a size at a data pointer it does not own (here 0: nothing is read)
 _own_no_memory = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 
@@ -471,7 +507,7 @@ class _AmbientSwitch:
     def enter(self, ambient: tuple) -> None:
         grad, autocasting, autocast = ambient
         if grad != self._grad_now:
-            torch.set_grad_enabled(grad)
+            _set_grad_enabled(grad)  # torch.set_grad_enabled's own call, without its context object
             self._grad_now = grad
         if self._autocast is None:
             if not autocasting and not torch._C._is_any_autocast_enabled():
@@ -483,6 +519,6 @@ class _AmbientSwitch:
 
     def leave(self) -> None:
         if self._grad_now != self._grad:
-            torch.set_grad_enabled(self._grad)
+            _set_grad_enabled(self._grad)
         if self._autocast is not None and self._autocast_now != self._autocast:
             _set_autocast(self._autocast)
