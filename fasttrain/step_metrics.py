@@ -54,7 +54,9 @@ class StepMetricsBuffer:
             loss = torch.tensor(float(loss))
         elif loss.ndim:
             loss = loss.detach().mean()
-        self._losses.append(loss.detach())
+        # a loss that records no autograd history (a graph replay's, read from its ring) is kept
+        # as it is: a detached view of it would be the same values at the cost of a view per step
+        self._losses.append(loss.detach() if loss.requires_grad else loss)
         self._batch_sizes.append(batch_output.get("batch_size", 1))
         num_items = batch_output.get("num_items_in_batch")
         if num_items is not None:

@@ -305,3 +305,19 @@ def test_ring_views_stay_valid_until_the_flush_and_match_the_host_slots():
     assert ring.calls == 3 * size + 1
     counters = ring.losses.counters.tolist()
     assert counters[3] == 3 * size + 1  # the device counter the slots come from
+
+
+def test_the_buffer_keeps_a_replays_loss_as_it_is_and_a_loss_with_history_detached():
+    """A replayed step's loss is a view of the graph's ring, with no autograd history: the buffer
+    keeps that tensor itself (a detached view of it per step would cost a view op per step and
+    hold the same values); a loss that records history is kept detached, without it."""
+    buffer = StepMetricsBuffer("train", 1)
+    ring_slot = torch.full((), 1.5)
+    buffer.add(0, {"loss": ring_slot, "batch_size": 2})
+    weight = torch.ones((), requires_grad=True)
+    buffer.add(1, {"loss": weight * 2.5, "batch_size": 2})
+    kept = buffer._losses
+    assert kept[0] is ring_slot
+    assert not kept[1].requires_grad and kept[1].grad_fn is None and kept[1].item() == 2.5
+    metrics = buffer.flush(num_updates=1, skipped_updates=0, is_epoch_end=False)
+    assert metrics.losses == [1.5, 2.5]
