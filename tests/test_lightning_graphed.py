@@ -663,10 +663,11 @@ def test_a_replays_calls_go_straight_into_their_entries_once_the_store_has_filed
 
     store = ResultStore(training=True)
     store.start_batch(torch.zeros(4, 2))
-    loss, norm = torch.tensor(1.5), torch.tensor(3.0)
+    loss, norm, scale = torch.tensor(1.5), torch.tensor(3.0), torch.tensor(0.25)
     store.recording = True  # as while a step is captured: the calls are recorded
     store.log("training_step", "loss", loss, on_step=True, on_epoch=True)
     store.log("training_step", "norm", norm, reduce_fx="max")
+    store.log("training_step", "scale", scale, on_step=True, on_epoch=False)
     calls, store.pending, store.recording = list(store.pending), [], False
     replayed = _ReplayedCalls(calls)
     assert not replayed.file_into(store) and store.pending == []  # keys new to the store
@@ -686,8 +687,19 @@ def test_a_replays_calls_go_straight_into_their_entries_once_the_store_has_filed
     loss.fill_(7.0)  # the next replay writes into the captured outputs: what was read stays
     norm.fill_(1.0)
     assert read.item() == 2.5 and entry.epoch_value().item() == 2.0
+    scale.fill_(0.5)
     assert replayed.file_into(store)
-    assert store.metrics(on_step=True)["callback"]["loss_step"].item() == 7.0
+    # a step value only, already the replay's output: the next replay rewrites it in place, and
+    # nothing is filed again for it
+    scale_entry = store.entries["training_step.scale"]
+    assert scale_entry.step_value is scale and scale_entry.step_live
+    scale.fill_(0.75)
+    with HostReads() as counted:
+        assert replayed.file_into(store)
+    assert counted.ops == {"mul": 1, "add": 1, "maximum": 1}, counted.ops
+    assert scale_entry.step_value is scale
+    read = store.metrics(on_step=True)["callback"]
+    assert read["loss_step"].item() == 7.0 and read["scale"].item() == 0.75 and read["scale"] is not scale
     assert store.entries["training_step.norm"].epoch_value().item() == 5.0  # the max of 1.5, 5 and 1
     # an epoch's first value filed from a replay starts a max from a copy, not from the output
     store.reset()

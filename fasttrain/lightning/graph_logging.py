@@ -222,9 +222,14 @@ class _ReplayedCalls:
         one): straight into their entries, without the pending list. False, filing nothing,
         where one is not."""
         entries = self._entries
-        if entries is None or self._entries_loader != store.dataloader_idx or not all(
-            entry.given_arguments is given for entry, given, _ in entries
-        ):
+        if entries is not None and self._entries_loader == store.dataloader_idx:
+            for entry, given, _ in entries:
+                if entry.given_arguments is not given:  # logged since with other arguments
+                    entries = None
+                    break
+        else:
+            entries = None
+        if entries is None:
             entries = self._entries = store.filed_entries(self.calls)
             self._entries_loader = store.dataloader_idx
             if entries is None:
@@ -232,5 +237,8 @@ class _ReplayedCalls:
         # the replay's own output tensors: an entry copies one where it is read (read_step_value),
         # where a copy here would cost a kernel launch per value and step
         for (entry, _, batch_size), call in zip(entries, self.calls):
-            store.update_entry(entry, call[_VALUE], batch_size, True)
+            value = call[_VALUE]
+            if entry.step_live and entry.step_value is value and not entry.on_epoch:
+                continue  # a step value only, filed by the last replay: the replay rewrote it in place
+            store.update_entry(entry, value, batch_size, True)
         return True
