@@ -15,11 +15,17 @@ process's CPU time, one thread.
 
     OMP_NUM_THREADS=1 python benchmarks/replay_overhead.py
     OMP_NUM_THREADS=1 python benchmarks/replay_overhead.py --peers fasttrain-cudagraph,fasttrain-lightning --steps 2000 --repeats 7
+    OMP_NUM_THREADS=1 python benchmarks/replay_overhead.py --steps 1000 --per-run 20 --repeats 5
 
 Each timed run is a new ``train()`` or ``fit()``, whose first few steps warm up and capture
 again on the compiled path (a few microseconds a step over a repeat of 2000). The weights these
 runs end with mean nothing (no replay updates them); the ratios are what the run is for:
 ``x first`` is the first peer's time per step over each peer's, per repeat.
+
+``--per-run SHORT`` times runs of ``SHORT`` steps beside those of ``--steps`` and reports, per peer,
+what a run costs besides its steps (the line through the two lengths' times): a ``fit()``'s own
+work, the warm-up and capture each run repeats. A short timed run (the GPU bench's, cut to its
+time limit) pays it over few steps.
 """
 
 from __future__ import annotations
@@ -101,12 +107,21 @@ def graphed_engine_on_the_cpu():
 
 def measure(peer_names: List[str], steps: int, repeats: int, warmup: int = 100) -> Dict[str, List[float]]:
     """Microseconds of process CPU time per step, per repeat, for each peer (interleaved)."""
+    runs = measure_runs(peer_names, [steps], repeats, warmup)
+    return {name: [ms * 1e3 / steps for ms in per_steps[steps]] for name, per_steps in runs.items()}
+
+
+def measure_runs(
+    peer_names: List[str], step_counts: List[int], repeats: int, warmup: int = 100
+) -> Dict[str, Dict[int, List[float]]]:
+    """Milliseconds of process CPU time per run of each length in ``step_counts``, per repeat,
+    for each peer; repeats interleaved, and within a repeat each peer runs each length in turn."""
     from fasttrain.bench.peers import PEERS
     from fasttrain.bench.workloads import make_workload
 
     workload = make_workload("overhead", device="cpu")
-    workload.resize(max(steps, warmup))
-    times: Dict[str, List[float]] = {name: [] for name in peer_names}
+    workload.resize(max(max(step_counts), warmup))
+    times: Dict[str, Dict[int, List[float]]] = {name: {n: [] for n in step_counts} for name in peer_names}
     with graphed_engine_on_the_cpu():
         peers = {name: PEERS[name](workload) for name in peer_names}
         quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
@@ -117,22 +132,49 @@ def measure(peer_names: List[str], steps: int, repeats: int, warmup: int = 100) 
             replays_before = sum(graph.replays for graph in FreeReplayEngine.graphs)
             for _ in range(repeats):
                 for name, peer in peers.items():
-                    start = time.process_time()
-                    peer.run(steps)
-                    times[name].append((time.process_time() - start) / steps * 1e6)
+                    for steps in step_counts:
+                        start = time.process_time()
+                        peer.run(steps)
+                        times[name][steps].append((time.process_time() - start) * 1e3)
         replays = sum(graph.replays for graph in FreeReplayEngine.graphs) - replays_before
         for peer in peers.values():
             peer.close()
     # each run is a new train() or fit(): its first steps warm up and capture again (compiled
     # steps, a few per run), the rest replay
     graphed = [name for name in peer_names if name in GRAPHED_PEERS]
-    timed = len(graphed) * repeats * steps
-    if graphed and replays < timed - len(graphed) * repeats * WARMUP_STEPS_PER_RUN:
+    runs = len(graphed) * repeats * len(step_counts)
+    timed = len(graphed) * repeats * sum(step_counts)
+    if graphed and replays < timed - runs * WARMUP_STEPS_PER_RUN:
         raise RuntimeError(
             f"only {replays} of {timed} timed steps replayed a graph: a fasttrain peer left the "
             "graphed engine, so its time is not the host's work around a replay"
         )
     return times
+
+
+def report_runs(runs: Dict[str, Dict[int, List[float]]]) -> str:
+    """Per peer, from runs of a short and a long length: the cost of a run besides its steps
+    (set-up, a Lightning fit's own work, the warm-up and capture each run repeats) and the cost
+    of a step, as the line through the two lengths' times of each repeat (median [min-max])."""
+    names = list(runs)
+    short, long = sorted(runs[names[0]])[:2]
+    lines = [
+        f"| peer | ms per run of {short} | ms per run of {long} | ms per run besides its steps | us per step |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(values):
+        return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+    for name in names:
+        pairs = list(zip(runs[name][short], runs[name][long]))
+        per_step = [(b - a) / (long - short) for a, b in pairs]  # ms
+        fixed = [a - slope * short for (a, _), slope in zip(pairs, per_step)]
+        lines.append(
+            f"| {name} | {cell(runs[name][short])} | {cell(runs[name][long])} | {cell(fixed)} | "
+            f"{cell([ms * 1e3 for ms in per_step])} |"
+        )
+    return "\n".join(lines)
 
 
 def report(times: Dict[str, List[float]]) -> str:
@@ -155,8 +197,20 @@ def main(argv=None) -> int:
                         help="the bench's peer names, comma-separated; ratios are against the first")
     parser.add_argument("--steps", type=int, default=2000, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--per-run", type=int, default=None, metavar="SHORT",
+                        help="also time runs of SHORT steps beside those of --steps, and report each peer's "
+                             "cost per run besides its steps (a fit's own work, the warm-up and capture)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.per_run is not None:
+        if not 0 < args.per_run < args.steps:
+            parser.error("--per-run takes a step count above 0 and below --steps")
+        names = [name.strip() for name in args.peers.split(",") if name.strip()]
+        runs = measure_runs(names, [args.per_run, args.steps], args.repeats)
+        print(f"torch {torch.__version__}, {args.repeats} interleaved repeats of runs of {args.per_run} and "
+              f"{args.steps} steps, process CPU time, one thread; graph replays cost nothing (median [min-max])")
+        print(report_runs(runs))
+        return 0
     times = measure([name.strip() for name in args.peers.split(",") if name.strip()], args.steps, args.repeats)
     print(f"torch {torch.__version__}, {args.repeats} interleaved repeats of {args.steps} steps, process CPU "
           "time, one thread; graph replays cost nothing (median [min-max])")

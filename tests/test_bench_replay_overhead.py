@@ -37,3 +37,16 @@ def test_a_peer_that_leaves_the_graphed_engine_is_not_reported_as_replaying(monk
     monkeypatch.setattr(script.FreeReplayEngine, "_record", lambda self, body: (_ for _ in ()).throw(RuntimeError("no capture")))
     with pytest.raises(RuntimeError, match="left the graphed engine"):
         script.measure(["fasttrain-cudagraph"], steps=30, repeats=1, warmup=20)
+
+
+def test_per_run_costs_are_the_line_through_two_run_lengths():
+    script = _script()
+    script.FreeReplayEngine.graphs = []
+    runs = script.measure_runs(["fasttrain-cudagraph"], [12, 40], repeats=2, warmup=20)
+    assert sorted(runs["fasttrain-cudagraph"]) == [12, 40]
+    assert all(len(ms) == 2 and min(ms) > 0 for ms in runs["fasttrain-cudagraph"].values())
+    # a run of 1 ms besides its steps and 10 us per step: 1.12 ms for 12 steps, 1.4 ms for 40
+    table = script.report_runs({"peer": {12: [1.12, 1.12], 40: [1.4, 1.4]}})
+    header, _, row = table.splitlines()
+    assert "ms per run of 12" in header and "ms per run of 40" in header
+    assert row == "| peer | 1.1 [1.1-1.1] | 1.4 [1.4-1.4] | 1.0 [1.0-1.0] | 10.0 [10.0-10.0] |"
