@@ -174,11 +174,13 @@ class LoggedCalls(HostEffects):
 
 
 class _ReplayedCalls:
-    """The calls a captured step recorded, and how to copy the values a replay writes into their
-    tensors (the next replay overwrites them; a value the loggers or callbacks hold must not
-    change under them; a number is immutable). The scalars of one dtype and device, which is what
-    ``self.log`` is given, are copied together: one ``stack`` and views of it, one kernel for a
-    step that logs a gradient norm per parameter instead of one copy each."""
+    """The calls a captured step recorded, filed again after each replay. Filed straight into
+    the store's entries (:meth:`file_into`), a value stays the replay's output tensor and the
+    entry copies it where it is read. Filed through the pending list (a call the store has not
+    filed alike yet), the values are copies of what the replay wrote (:meth:`with_fresh_values`:
+    the next replay overwrites its outputs, and a value the loggers or callbacks hold must not
+    change under them; a number is immutable): the scalars of one dtype and device, which is what
+    ``self.log`` is given, copied together, one ``stack`` and views of it."""
 
     __slots__ = ("calls", "_stacked", "_cloned", "_entries", "_entries_loader")
 
@@ -238,7 +240,6 @@ class _ReplayedCalls:
         # where a copy here would cost a kernel launch per value and step
         for (entry, _, batch_size), call in zip(entries, self.calls):
             value = call[_VALUE]
-            if entry.step_live and entry.step_value is value and not entry.on_epoch:
-                continue  # a step value only, filed by the last replay: the replay rewrote it in place
-            store.update_entry(entry, value, batch_size, True)
+            if not entry.holds_live(value):
+                store.update_entry(entry, value, batch_size, True)
         return True

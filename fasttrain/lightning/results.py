@@ -149,6 +149,11 @@ class LoggedValue:
         if reduce == "mean":
             self.count += batch_size
 
+    def holds_live(self, value) -> bool:
+        """Whether a replay that wrote ``value`` leaves nothing to file here: a step value only,
+        which the last replay filed as this same output tensor, rewritten in place since."""
+        return self.step_live and self.step_value is value and not self.on_epoch
+
     def read_step_value(self) -> Optional[torch.Tensor]:
         """The latest step's value, for a reader that may keep it: a captured step's output is
         copied first (once; a replay files the next one)."""
