@@ -202,16 +202,16 @@ def main(argv=None) -> int:
                              "cost per run besides its steps (a fit's own work, the warm-up and capture)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    names = [name.strip() for name in args.peers.split(",") if name.strip()]
     if args.per_run is not None:
         if not 0 < args.per_run < args.steps:
             parser.error("--per-run takes a step count above 0 and below --steps")
-        names = [name.strip() for name in args.peers.split(",") if name.strip()]
         runs = measure_runs(names, [args.per_run, args.steps], args.repeats)
         print(f"torch {torch.__version__}, {args.repeats} interleaved repeats of runs of {args.per_run} and "
               f"{args.steps} steps, process CPU time, one thread; graph replays cost nothing (median [min-max])")
         print(report_runs(runs))
         return 0
-    times = measure([name.strip() for name in args.peers.split(",") if name.strip()], args.steps, args.repeats)
+    times = measure(names, args.steps, args.repeats)
     print(f"torch {torch.__version__}, {args.repeats} interleaved repeats of {args.steps} steps, process CPU "
           "time, one thread; graph replays cost nothing (median [min-max])")
     print(report(times))
