@@ -289,6 +289,67 @@ def test_a_bar_refreshed_every_batch_reads_the_device_at_the_flushes_only(sync_c
     assert with_bar <= 4 + 3
 
 
+class LogsAtTheEpochEnd(SGDClassifier):
+    """An epoch value logged in training_step and one logged in on_train_epoch_end, both shown
+    on the bar."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("in_step", torch.tensor(float(self.current_epoch)), on_step=False, on_epoch=True, prog_bar=True)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self):
+        self.log("at_epoch_end", torch.tensor(10.0 + self.current_epoch), prog_bar=True, reduce_fx="sum")
+
+
+class ReadsTheBarsMetrics(L.Callback):
+    """progress_bar_metrics at the epochs' edges (between flushes a bar shows the last flush's
+    values, docs/lightning.md)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _note(self, hook, trainer):
+        self.seen.append((hook, trainer.current_epoch, dict(trainer.progress_bar_metrics)))
+
+    def on_train_epoch_start(self, trainer, module):
+        self._note("epoch_start", trainer)
+
+    def on_train_epoch_end(self, trainer, module):
+        self._note("epoch_end", trainer)
+
+    def on_train_end(self, trainer, module):
+        self._note("train_end", trainer)
+
+
+@pytest.mark.parametrize("with_bar", [True, False])
+def test_values_logged_in_the_epoch_end_hooks_reach_the_bars_metrics_after_them(with_bar, sync_counter):
+    """A value logged in on_train_epoch_end is in progress_bar_metrics from the end of that
+    epoch's hooks on (the next epoch's reads, on_train_end, after the fit), as under Lightning,
+    and with a bar, an epoch whose end hooks log nothing reads the device no more often."""
+    seen, after = [], []
+    for trainer_cls in BOTH:
+        torch.manual_seed(0)
+        reader = ReadsTheBarsMetrics()
+        trainer = trainer_cls(**{**QUIET, "enable_progress_bar": with_bar, "max_epochs": 2, "callbacks": [reader],
+                                 "limit_train_batches": 2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(LogsAtTheEpochEnd(), train_loader())
+        seen.append(reader.seen)
+        after.append(dict(trainer.progress_bar_metrics))
+    theirs, ours = seen
+    assert [(hook, epoch, sorted(values)) for hook, epoch, values in ours] == [
+        (hook, epoch, sorted(values)) for hook, epoch, values in theirs
+    ]
+    for (_, _, their_values), (_, _, our_values) in zip(theirs, ours):
+        assert our_values == pytest.approx(their_values, abs=1e-5)
+    assert {k: after[0][k] for k in ("in_step", "at_epoch_end")} == {"in_step": 1.0, "at_epoch_end": 11.0}
+    assert after[1] == pytest.approx(after[0], abs=1e-5)
+    if with_bar:
+        # no value logged at the epoch end: the bar's copy is read at the flush and epoch end only
+        assert _host_reads_per_extra_epoch(sync_counter, lambda: TQDMProgressBar(refresh_rate=1)) <= 4 + 3
+
+
 def test_rich_progress_bar_runs_as_under_lightning():
     pytest.importorskip("rich")
     from lightning.pytorch.callbacks import RichProgressBar

@@ -293,10 +293,11 @@ def run_fit(lt, runner) -> None:
             profiler.stop("run_training_epoch")
         epochs.increment_processed()
         lt._epoch_end_metrics_ready()
+        filed = results.filed
         hooks.callbacks_only("on_train_epoch_end", monitoring=False)
         hooks.module_hook("on_train_epoch_end")
         hooks.callbacks_only("on_train_epoch_end", monitoring=True)
-        lt._collect_epoch_metrics(results)
+        lt._collect_epoch_metrics(results, logged_in_hooks=results.filed != filed)
         # not when max_steps ended the epoch early, nor in the epoch a resume restarted (Lightning
         # does not keep the monitored values in checkpoints)
         if batches.is_last_batch and not state.restarting:

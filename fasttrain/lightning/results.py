@@ -217,6 +217,9 @@ class ResultStore:
         #: set while a CUDA graph captures a step (graph_logging.py): the calls its eager hooks
         #: make are recorded as a compiled step's are, to be filed again after each replay
         self.recording = False
+        #: how many values were filed through :meth:`_log` (every eager ``self.log``), so that a
+        #: loop can tell whether hooks logged anything between two points
+        self.filed = 0
 
     def start_batch(self, batch, dataloader_idx: Optional[int] = None) -> None:
         self.batch = batch
@@ -261,6 +264,7 @@ class ResultStore:
              rank_zero_only=False) -> None:
         if not on_step and not on_epoch:
             raise LightningConfigError("`self.log(on_step=False, on_epoch=False)` is not useful.")
+        self.filed += 1
         key, suffix = self._key(fx, name, add_dataloader_idx)
         # the exact type first: isinstance goes through torch.Tensor's metaclass (every self.log)
         is_metric = type(value) is not torch.Tensor and not isinstance(value, torch.Tensor)

@@ -537,8 +537,12 @@ class Trainer(LoopProperties):
         # the epoch values) to the host
         self._pbar_metrics.refresh()
 
-    def _collect_epoch_metrics(self, results: ResultStore) -> None:
+    def _collect_epoch_metrics(self, results: ResultStore, logged_in_hooks: bool) -> None:
         self._logger_connector.absorb(results, on_step=False)
+        if logged_in_hooks:
+            # SYNC(epoch-end): what the epoch-end hooks logged reaches the bar's host copy, as it
+            # reaches Lightning's progress_bar_metrics (no read when they logged nothing)
+            self._pbar_metrics.refresh()
 
     def _log_step_metrics(self) -> None:
         self._logger_connector.log_train_step()
