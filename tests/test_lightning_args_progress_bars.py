@@ -350,6 +350,45 @@ def test_values_logged_in_the_epoch_end_hooks_reach_the_bars_metrics_after_them(
         assert _host_reads_per_extra_epoch(sync_counter, lambda: TQDMProgressBar(refresh_rate=1)) <= 4 + 3
 
 
+class LogsEvaluationSteps(SGDClassifier):
+    """Values logged per evaluation step for the bar: one per step only, one per step and epoch."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("val_step_only", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.log("val_both", loss, on_step=True, on_epoch=True, prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.cross_entropy(self(x), y), on_step=True, prog_bar=True)
+
+
+@pytest.mark.parametrize("with_bar", [True, False])
+def test_the_evaluation_steps_values_reach_the_bars_metrics(with_bar):
+    """The last evaluation step's values logged with prog_bar=True (and on_step=True) are in
+    progress_bar_metrics after the evaluation, beside its epoch values, as under Lightning (its
+    evaluation loop takes each step's values in); callback_metrics keep the epoch values only."""
+    after = []
+    for trainer_cls in BOTH:
+        torch.manual_seed(0)
+        trainer = trainer_cls(**{**QUIET, "enable_progress_bar": with_bar, "max_epochs": 1,
+                                 "limit_train_batches": 2, "limit_val_batches": 3, "num_sanity_val_steps": 2})
+        module = LogsEvaluationSteps()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, train_loader(), val_loader())
+            fitted = (dict(trainer.progress_bar_metrics), sorted(trainer.callback_metrics))
+            trainer.test(module, val_loader(), verbose=False)
+        after.append((fitted, dict(trainer.progress_bar_metrics)))
+    (their_fit, theirs), (our_fit, ours) = after
+    assert {"val_step_only", "val_both_step", "val_both_epoch"} <= set(their_fit[0])
+    assert sorted(our_fit[0]) == sorted(their_fit[0]) and our_fit[1] == their_fit[1]
+    assert our_fit[0] == pytest.approx(their_fit[0], abs=1e-5)
+    assert {"test_loss_step", "test_loss_epoch"} <= set(theirs)
+    assert sorted(ours) == sorted(theirs) and ours == pytest.approx(theirs, abs=1e-5)
+
+
 def test_rich_progress_bar_runs_as_under_lightning():
     pytest.importorskip("rich")
     from lightning.pytorch.callbacks import RichProgressBar

@@ -499,13 +499,16 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
                 progress.increment_processed()
                 hooks(f"on_{prefix}_batch_end", output, batch, batch_idx, *extra)
                 progress.increment_completed()
-                # values logged with on_step=True in an evaluation step reach logged_metrics per
-                # batch (also in the sanity check, until its end resets them) and, outside the
-                # sanity check, the loggers, at a step counting this loader's batches, those of
-                # this loader only (several loaders), as in Lightning
-                step_logged = results.metrics(True, loader_idx)["log"] if several else results.metrics(True)["log"]
+                # values logged with on_step=True in an evaluation step reach logged_metrics and
+                # progress_bar_metrics per batch (also in the sanity check, until its end resets
+                # them) and, outside the sanity check, the loggers, at a step counting this
+                # loader's batches, those of this loader only (several loaders), as in Lightning
+                step_metrics = results.metrics(True, loader_idx) if several else results.metrics(True)
+                step_logged = step_metrics["log"]
                 if step_logged:
                     lt._logger_connector._logged_metrics.update(step_logged)
+                if step_metrics["pbar"]:
+                    lt._logger_connector._progress_bar_metrics.update(step_metrics["pbar"])
                 if not sanity:
                     loop._has_run = True
                     key = (stage, loader_idx)
