@@ -141,6 +141,57 @@ def test_val_check_interval_past_the_epoch_without_epoch_cadence_like_lightning(
     assert steps == list(range(interval, 25, interval))
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """The training data as a stream: a loader over it has no length."""
+
+    def __iter__(self):
+        return iter([DATA[i] for i in range(len(DATA))])
+
+
+class StreamValidations(Validations):
+    def train_dataloader(self):
+        self.events.append(("train_dataloader", self.trainer.current_epoch))
+        return loader(Stream(), batch_size=4)
+
+
+@pytest.mark.parametrize("interval, accumulate, every", [
+    (3, 1, None), (3, 1, 1), (3, 2, None), (3, 2, 1), (5, 1, None), (5, 1, 1), (1.0, 1, 1),
+])
+def test_a_training_stream_validates_on_lightnings_cadence(interval, accumulate, every):
+    """A training loader of unknown length: a batch-count val_check_interval validates every
+    that many batches (counted over the fit with check_val_every_n_epoch=None, in the epoch
+    otherwise), 1.0 at the end of the data, as under Lightning."""
+    modules = {}
+
+    def make():
+        def action(trainer):
+            module = modules[type(trainer).__module__.split(".")[0]] = StreamValidations()
+            trainer.fit(module)
+            return module.events, trainer.global_step
+
+        return {}, action
+
+    out = _each(make, max_epochs=2, val_check_interval=interval, check_val_every_n_epoch=every,
+                accumulate_grad_batches=accumulate)
+    for events, _ in out.values():
+        events.remove(("train_dataloader", 0))
+    assert out["fasttrain"] == out["lightning"]
+    assert_same_weights(modules["lightning"], modules["fasttrain"])
+    assert sum(e[0] == "validation" and not e[2] for e in out["lightning"][0]) >= 2
+
+
+def test_a_fractional_val_check_interval_over_a_training_stream_is_lightnings_error():
+    def make():
+        return {}, lambda trainer: trainer.fit(StreamValidations())
+
+    for name, trainer_cls in trainers():
+        with pytest.raises(Exception, match="must be time based, `1.0` or an int") as raised:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer_cls(**{**QUIET, "max_epochs": 1, "val_check_interval": 0.5}).fit(StreamValidations())
+        assert type(raised.value).__name__ == "MisconfigurationException", name
+
+
 # ---------------------------------------------------------------------------------- what is reported
 class EndReader(Classifier):
     """Reads the metrics in ``on_validation_end`` (the module's and a callback's)."""

@@ -108,7 +108,17 @@ def num_batches(stage, loader, limit, processes: int = 1):
 
 def check_interval_fits_epoch(interval, lt) -> None:
     """A batch count ``val_check_interval`` longer than an epoch (with validation counted per
-    epoch): Lightning's error, once the training data is loaded."""
+    epoch), or a fraction of an epoch of unknown length: Lightning's errors, once the training
+    data is loaded."""
+    if (
+        lt._val_check_time_interval is None and isinstance(interval, float) and interval != 1.0
+        and lt.num_training_batches == float("inf")
+    ):
+        raise MisconfigurationException(  # Lightning's own type and words
+            "When using an IterableDataset for `train_dataloader`,"
+            " `Trainer(val_check_interval)` must be time based, `1.0` or an int. An int k specifies"
+            " checking validation every k training batches."
+        )
     if (
         lt._val_check_time_interval is None and isinstance(interval, int) and interval > lt.num_training_batches
         and lt.check_val_every_n_epoch is not None and lt.limit_val_batches > 0

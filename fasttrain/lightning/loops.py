@@ -411,7 +411,10 @@ def _should_validate(lt, batch_idx: int, last: bool) -> bool:
     every = lt.check_val_every_n_epoch
     if every is not None and (lt.current_epoch + 1) % every != 0:
         return False
-    infinite = lt.num_training_batches == float("inf")
+    interval = lt.val_check_batch
+    # no batch cadence: an epoch of unknown length validates at its end (a batch-count interval
+    # over such data keeps its cadence, as in Lightning)
+    infinite = interval == float("inf")
     if last and infinite:
         return True
     if lt.should_stop and can_stop_early(lt):
@@ -422,7 +425,6 @@ def _should_validate(lt, batch_idx: int, last: bool) -> bool:
     if infinite:
         limit = lt.limit_train_batches
         return isinstance(limit, int) and (batch_idx + 1) % limit == 0
-    interval = lt.val_check_batch
     index = lt.fit_loop.epoch_loop.total_batch_idx if every is None else batch_idx
     return (index + 1) % interval == 0
 

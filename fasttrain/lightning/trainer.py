@@ -329,6 +329,8 @@ class Trainer(LoopProperties):
         interval = self.val_check_interval
         if isinstance(interval, int):
             return interval
+        if self.num_training_batches == float("inf"):
+            return float("inf")  # 1.0 over data of unknown length (other fractions are an error at the fit's start)
         return max(1, int(self.num_training_batches * interval))
 
     @property
