@@ -2,6 +2,8 @@
 same module, seed and data order (final weights to 1e-6, global_step, callback and logged metrics
 to 1e-5)."""
 
+import collections.abc
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lightning"))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from fasttrain.lightning import Trainer  # noqa: E402
 from lightning_modules import (  # noqa: E402
@@ -147,15 +150,61 @@ def test_unknown_and_unsupported_arguments_are_named():
         Trainer(gradient_clip_algorithm="l1")
 
 
-def test_training_step_without_loss_is_a_clear_error():
-    class NoLoss(Classifier):
-        def training_step(self, batch, batch_idx):
-            return {"logits": self(batch[0])}
+class ReturnsOutput(Classifier):
+    """A training_step returning what it is given to return."""
 
-    trainer = Trainer(max_epochs=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                      enable_checkpointing=False)
-    with pytest.raises(ValueError, match="'loss'"):
-        trainer.fit(NoLoss(), train_loader())
+    def __init__(self, make_output):
+        super().__init__()
+        self.make_output = make_output
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.make_output(torch.nn.functional.cross_entropy(self(x), y))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.batch_end_outputs = self.__dict__.get("batch_end_outputs", []) + [sorted(outputs)]
+
+
+class LossMapping(collections.abc.Mapping):
+    """A read-only mapping (not a dict) holding the loss, as some libraries' step outputs are."""
+
+    def __init__(self, **items):
+        self._items = items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+@pytest.mark.parametrize("make_output, words", [
+    (lambda loss: {"logits": loss}, "when `training_step` returns a dict, the 'loss' key needs to be present"),
+    (lambda loss: {"loss": None}, "when `training_step` returns a dict, the 'loss' key needs to be present"),
+    (lambda loss: LossMapping(other=loss), "when `training_step` returns a dict, the 'loss' key needs to be present"),
+    (lambda loss: loss.item(), "must return a Tensor, a dict, or None"),
+])
+def test_a_training_step_without_a_loss_is_lightnings_error(make_output, words):
+    """Lightning's MisconfigurationException and words (also a ValueError), under both."""
+    for trainer_cls in (L.Trainer, Trainer):
+        trainer = trainer_cls(max_epochs=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
+                              enable_checkpointing=False)
+        with pytest.raises(MisconfigurationException, match=re.escape(words)) as raised:
+            trainer.fit(ReturnsOutput(make_output), train_loader())
+        if trainer_cls is Trainer:
+            assert isinstance(raised.value, ValueError)
+
+
+def test_a_training_step_returning_a_mapping_with_a_loss_trains_as_under_lightning():
+    """Any Mapping with a 'loss' is a step's output under automatic optimization, not only a dict."""
+    lt, lm, ft, fm = fit_both(lambda: ReturnsOutput(lambda loss: LossMapping(loss=loss, extra=loss.detach())),
+                              train_loader, trainer_kwargs=dict(max_epochs=2))
+    check_same(lt, lm, ft, fm)
+    # on_train_batch_end gets the mapping's other entries beside the loss, as from a dict
+    assert fm.batch_end_outputs == lm.batch_end_outputs and lm.batch_end_outputs[0] == ["extra", "loss"]
 
 
 def test_val_check_interval_longer_than_an_epoch_is_an_error_naming_it():

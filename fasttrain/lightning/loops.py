@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections.abc import Mapping
 
 import torch
 from lightning.fabric.utilities import move_data_to_device
@@ -357,7 +358,7 @@ def _batch_end_outputs(batch_output, k: int) -> dict:
     loss = batch_output["loss"].detach()
     outputs = {"loss": loss / k if k > 1 else loss}
     output = batch_output["output"]
-    if isinstance(output, dict):
+    if isinstance(output, dict) or isinstance(output, Mapping):
         outputs.update({key: value for key, value in output.items() if key != "loss"})
     return outputs
 

@@ -11,6 +11,7 @@ replaces the epoch loop (:meth:`ModuleRunner.train`) and calls the engine once p
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch
 from accelerate import Accelerator
@@ -23,6 +24,7 @@ from fasttrain.accelerate_state import build_accelerator
 from fasttrain.engine.compiled_functions import CompileSettings, settings_for_engine
 from fasttrain.sharding import is_fsdp2
 from fasttrain.lightning.combined import CombinedData
+from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.fast_log import step_logger
 from fasttrain.lightning.grad_modes import anomaly_context
 from fasttrain.lightning.graph_logging import LoggedCalls
@@ -263,15 +265,19 @@ class ModuleRunner(FasttrainTrainer):
         output = self.run_step("training_step", *self.step_args("training_step", batch, self.batch_idx))
         if type(output) is torch.Tensor or isinstance(output, torch.Tensor):  # the exact type first: cheaper
             loss = output
-        elif isinstance(output, dict) and "loss" in output:
-            loss = output["loss"]
+        elif isinstance(output, dict) or isinstance(output, Mapping):  # any Mapping, as in Lightning
+            loss = output.get("loss")
+            if loss is None:
+                raise LightningConfigError(  # Lightning's words
+                    "In automatic_optimization, when `training_step` returns a dict, the 'loss' key needs to be present"
+                )
         elif output is None:
             # Lightning skips this batch's backward: the fit loop does (skipped_steps.py)
             raise_step_returned_none(self.batch_idx)
         else:
-            raise ValueError(
-                "training_step must return the loss tensor, a dict with a 'loss' key or None under automatic "
-                f"optimization, got {type(output).__name__}."
+            raise LightningConfigError(  # Lightning's words
+                "In automatic optimization, `training_step` must return a Tensor, a dict, or None (where the step will"
+                f" be skipped). It returned {type(output).__name__}."
             )
         return {"loss": loss, "output": output}
 
