@@ -41,7 +41,7 @@ from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_p
 from fasttrain.lightning.metric_calls import metric_calls_outside_graphs
 from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks, profiling, timed
 from fasttrain.lightning.profiler import start_run as start_profiler
-from fasttrain.lightning.run_end import handle_errors, teardown
+from fasttrain.lightning.run_end import end_run, handle_errors, teardown
 from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.run_data import (
     datamodule_overrides,
@@ -380,7 +380,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     finally:
         lt._load_train_data = None
     lt.training = True  # on_fit_end and teardown run in the training stage, as in Lightning
-    lt.strategy.teardown()
+    end_run(lt)
     hooks("on_fit_end")
     teardown(lt, TrainerFn.FITTING)
     lt.training = False
@@ -458,7 +458,7 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
         if runner.run_config.is_distributed:
             loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
         logged = run_evaluation(lt, runner, stage)
-    lt.strategy.teardown()
+    end_run(lt)
     teardown(lt, fn)
     return logged
 
@@ -488,6 +488,6 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     _to_device(lt, runner)
     runner.prepare_for_evaluation(plain_loader(loaders[0]))
     predictions = run_predict(lt, runner, loaders)
-    lt.strategy.teardown()
+    end_run(lt)
     teardown(lt, TrainerFn.PREDICTING)
     return predictions

@@ -11,8 +11,24 @@ from typing import Any, Callable
 
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from fasttrain.lightning.combined import flat
 from fasttrain.lightning.hooks import callback_overrides
+
+
+def end_run(lt) -> None:
+    """What Lightning's teardown does at the end of every run, whether it raised or not: the
+    strategy's teardown, and the worker processes that the run's loaders keep between epochs
+    (``persistent_workers=True``) ended; a later run over a loader starts new ones."""
+    lt.strategy.teardown()
+    train = [lt._train_loader] if lt._train_loader is not None else []
+    for loader in flat(train + lt._val_loaders + lt._test_loaders + lt._predict_loaders):
+        iterator = getattr(loader, "_iterator", None)
+        if isinstance(iterator, _MultiProcessingDataLoaderIter):
+            iterator._shutdown_workers()
+        if iterator is not None:
+            loader._iterator = None
 
 
 def teardown(lt, stage: str) -> None:
@@ -67,12 +83,12 @@ def handle_errors(lt, run: Callable[[], Any]):
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         interrupt(lt, error)
-        lt.strategy.teardown()
+        end_run(lt)
         # Lightning kills the processes its own launcher started; fasttrain starts none (torchrun
         # or accelerate launch ends its workers when one exits)
         sys.exit(1)
     except BaseException as error:
         interrupt(lt, error)
-        lt.strategy.teardown()
+        end_run(lt)
         lt.state.stage = None  # after the strategy's teardown, as Lightning resets it
         raise
