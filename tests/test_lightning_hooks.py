@@ -135,3 +135,63 @@ def test_global_module_hooks_see_the_modules_that_lightning_calls_and_nothing_ar
     lightning_calls, fasttrain_calls = calls.values()
     assert lightning_calls[:5] == ["Classifier", "Sequential", "Linear", "Tanh", "Linear"]
     assert fasttrain_calls == lightning_calls
+
+
+class RecordsRunStarts(Classifier):
+    """Records ``zero_grad`` (nn.Module's, which Lightning calls on the module as each run's loop
+    starts) among the hooks around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append(("zero_grad", self.trainer.state.fn.value if self._trainer is not None else None))
+        super().zero_grad(set_to_none)
+
+    def on_fit_start(self):
+        self.calls.append("on_fit_start")
+
+    def train_dataloader(self):
+        self.calls.append("train_dataloader")
+        return train_loader()
+
+    def val_dataloader(self):
+        self.calls.append("val_dataloader")
+        return val_loader()
+
+    def test_dataloader(self):
+        self.calls.append("test_dataloader")
+        return val_loader()
+
+    def predict_dataloader(self):
+        self.calls.append("predict_dataloader")
+        return loader(classification_data(n=8, seed=1).tensors[0], batch_size=4)
+
+    def on_train_start(self):
+        self.calls.append("on_train_start")
+
+    def on_validation_start(self):
+        self.calls.append("on_validation_start")
+
+
+@pytest.mark.parametrize("run", ["fit", "validate", "test", "predict"])
+def test_each_run_starts_with_the_modules_zero_grad_as_under_lightning(run):
+    """Lightning calls the module's zero_grad() (gradients to None) as each run's loop starts:
+    a fit's after on_fit_start and before the validation loader's request, an evaluation's before
+    its loader's; gradients left by earlier code are gone during an evaluation too."""
+    from fasttrain.lightning import Trainer
+
+    seen = []
+    for trainer_cls in (L.Trainer, Trainer):
+        torch.manual_seed(0)
+        module = RecordsRunStarts()
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)  # left by the user's own code before the run
+        trainer = trainer_cls(**{**QUIET, "max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1,
+                                 "num_sanity_val_steps": 0})
+        getattr(trainer, run)(module)
+        calls = [c for c in module.calls if c != "train_dataloader"]  # requested at another time (docs/lightning.md)
+        seen.append((calls, run == "fit" or all(p.grad is None for p in module.parameters())))
+    assert seen[1] == seen[0]
+    assert seen[0][1] and ("zero_grad", run if run != "validate" else "validate") in seen[0][0]

@@ -357,6 +357,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
             _log_hyperparams(lt)  # Lightning's own: hparams (and the graph) to every logger
         if checkpoint is not None:
             ckpt_io.restore_training_state(lt, ckpt_path, checkpoint)
+        module.zero_grad()  # as Lightning starts each run's loop: gradients left before the fit go
         load_data(lt, val_dataloaders)
         runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
         if lt._args.enable_model_summary and lt.is_global_zero:
@@ -441,6 +442,7 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
         raise LightningConfigError(f"No `{step}()` method defined to run `Trainer.{stage}`.")
     runner = _runner(lt, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
     _setup_hooks(lt, fn)
+    lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
     loaders = evaluation_loaders(request(lt, dataloaders, hook))
     if not loaders:
@@ -478,6 +480,7 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
         raise LightningConfigError("`predict_step` cannot be None to run `Trainer.predict`")
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
+    lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
     loaders = prediction_loaders(request(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
