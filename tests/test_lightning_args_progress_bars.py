@@ -389,6 +389,50 @@ def test_the_evaluation_steps_values_reach_the_bars_metrics(with_bar):
     assert sorted(ours) == sorted(theirs) and ours == pytest.approx(theirs, abs=1e-5)
 
 
+class ShowsWhatItGets(TQDMProgressBar):
+    """Records every get_metrics the bar makes (each refresh of what it shows), with the stage."""
+
+    def __init__(self):
+        super().__init__()
+        self.shown = []
+
+    def get_metrics(self, trainer, module):
+        items = super().get_metrics(trainer, module)
+        items.pop("v_num", None)
+        self.shown.append((trainer.state.stage.value, trainer.current_epoch, trainer.global_step,
+                           {k: round(float(v), 4) for k, v in items.items()}))
+        return items
+
+
+class LogsEpochMaxima(SGDClassifier):
+    def training_step(self, batch, batch_idx):
+        self.log("a", float(self.global_step), prog_bar=True, on_step=False, on_epoch=True, reduce_fx="max")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("b", float(self.global_step), prog_bar=True, on_step=False, on_epoch=True, reduce_fx="max")
+
+
+def test_the_bar_shows_the_sanity_checks_values_at_its_end_and_nothing_of_them_after():
+    """What a bar shows when it reads the metrics at each flush (every batch here) and at each
+    end, as under Lightning: the sanity check's epoch values at its end, then none of them once
+    training starts."""
+    shown = []
+    for trainer_cls in BOTH:
+        torch.manual_seed(0)
+        bar = ShowsWhatItGets()
+        trainer = trainer_cls(**{**WITH_BAR, "callbacks": [bar], "max_epochs": 2, "limit_train_batches": 2,
+                                 "limit_val_batches": 2, "num_sanity_val_steps": 2, "log_every_n_steps": 1})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(LogsEpochMaxima(), train_loader(), val_loader())
+        shown.append([(stage, epoch, step, {k: v for k, v in values.items() if k in "ab"})
+                      for stage, epoch, step, values in bar.shown])
+    theirs, ours = shown
+    assert theirs[0] == ("sanity_check", 0, 0, {"b": 0.0}) and theirs[1][3] == {}
+    assert ours == theirs
+
+
 def test_rich_progress_bar_runs_as_under_lightning():
     pytest.importorskip("rich")
     from lightning.pytorch.callbacks import RichProgressBar

@@ -93,6 +93,7 @@ def run_fit(lt, runner) -> None:
         # as in Lightning, the sanity check leaves no trace in the validation loop's counters,
         # and what its hooks read of its values goes
         lt._logger_connector.reset_metrics()
+        lt._pbar_metrics.clear()
         epoch_loop.val_loop.batch_progress.reset()
         lt.sanity_checking = False
     check_interval_fits_epoch(lt.val_check_interval, lt)  # after the sanity check, as in Lightning
@@ -526,6 +527,10 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     hooks(f"on_{prefix}_epoch_end")
     if not sanity:
         logged = lt._finish_evaluation(results, len(loaders))
+    else:
+        # SYNC(epoch-end): the sanity check's values reach the bar at its end, as Lightning's bar
+        # shows them (once per fit; the check's end clears them)
+        lt._pbar_metrics.refresh()
     hooks(f"on_{prefix}_end")
     lt._logger_connector.eval_epoch_ended = False
     results.reset()

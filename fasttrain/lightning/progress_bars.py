@@ -140,6 +140,11 @@ class ProgressBarMetrics:
         if self._host is not None:
             self._host = self._read()
 
+    def clear(self) -> None:
+        """The host copy emptied, as the connector's dicts are (after the sanity check)."""
+        if self._host is not None:
+            self._host = {}
+
     def get(self) -> dict:
         return self._read() if self._host is None else self._host
 
