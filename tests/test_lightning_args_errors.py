@@ -362,3 +362,8 @@ def test_predict_returning_none_and_max_epochs_unset_warn_like_lightning():
 
     lightning_said, ours = _warned(unset, "`max_epochs` was not set")
     assert ours == lightning_said and len(ours) == 1
+
+
+@pytest.mark.parametrize("value", [(1, 2), "1.0", [0.5]])
+def test_a_gradient_clip_value_that_is_no_number_is_lightnings_type_error(value):
+    _same_error(lambda trainer_cls: trainer_cls(**QUIET, gradient_clip_val=value), kind=TypeError)

@@ -288,11 +288,10 @@ class TrainerArguments:
                 f"Allowed algorithms: {GradClipAlgorithmType.supported_types()}."
             )
         self.gradient_clip_algorithm = algorithm.lower() if algorithm is not None else None
-        if self.gradient_clip_val is not None and (
-            isinstance(self.gradient_clip_val, bool)
-            or not isinstance(self.gradient_clip_val, numbers.Real)
-            or self.gradient_clip_val < 0
-        ):
+        if self.gradient_clip_val is not None and not isinstance(self.gradient_clip_val, numbers.Real):
+            # Lightning's type and words
+            raise TypeError(f"`gradient_clip_val` should be an int or a float. Got {self.gradient_clip_val}.")
+        if self.gradient_clip_val is not None and (isinstance(self.gradient_clip_val, bool) or self.gradient_clip_val < 0):
             raise ValueError(f"gradient_clip_val must be a non-negative number or None, got {self.gradient_clip_val!r}")
         if self.deterministic not in (None, True, False, "warn"):
             raise ValueError(f"deterministic must be None, True, False or 'warn', got {self.deterministic!r}")
