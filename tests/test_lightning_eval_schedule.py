@@ -333,6 +333,41 @@ def test_step_values_of_several_val_loaders_reach_the_logger_grouped_like_lightn
     assert any("v_step_only/dataloader_idx_1" in metrics for metrics, _ in out["lightning"])
 
 
+class LogsItsOwnStep(Classifier):
+    """Logs a metric named "step" (Lightning's way to set the loggers' step) beside its values,
+    per training step and at the epoch ends."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("step", 1000.0 + self.global_step)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log_dict({"step": 10.0 * (self.current_epoch + 1), "train_mark": float(self.current_epoch)})
+
+    def on_validation_epoch_end(self):
+        self.log_dict({"step": 100.0 * (self.current_epoch + 1), "val_mark": float(self.current_epoch)})
+
+
+def test_a_logged_step_metric_is_the_loggers_step_like_lightning():
+    """A value logged as "step" is the step the loggers get for that call (not a metric of it),
+    where Lightning takes it: the training flushes and the epoch ends."""
+    def make():
+        logger = RecordingLogger()
+
+        def action(trainer):
+            trainer.fit(LogsItsOwnStep(), train_loader(), loader(VAL, batch_size=5))
+            return logger.calls, sorted(trainer.logged_metrics)
+
+        return dict(logger=logger), action
+
+    out = _each(make, max_epochs=2, log_every_n_steps=2, limit_val_batches=2)
+    assert out["fasttrain"] == out["lightning"]
+    calls, _ = out["lightning"]
+    steps = [step for metrics, step in calls if "val_mark" in metrics or "train_mark" in metrics]
+    assert steps == [100, 10, 200, 20] and not any("step" in metrics for metrics, _ in calls)
+
+
 # ---------------------------------------------------------------------------------- environment
 ENVIRONMENT = {
     "PL_TRAINER_MAX_EPOCHS": "2",

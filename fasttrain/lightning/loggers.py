@@ -123,8 +123,12 @@ class LoggerConnector:
         trainer = self.trainer
         if not trainer.loggers or not metrics:
             return
-        self._logged_metrics.update(metrics)
         scalars = to_host(metrics)
+        if step is None and "step" in scalars:
+            # a value logged as "step" is the loggers' step for these values, as in Lightning
+            step = scalars.pop("step")
+            metrics = {name: value for name, value in metrics.items() if name != "step"}
+        self._logged_metrics.update(metrics)
         if step is None:
             scalars.setdefault("epoch", trainer.current_epoch)
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
