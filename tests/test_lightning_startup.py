@@ -222,3 +222,51 @@ def test_a_single_callback_instance_is_accepted_like_lightning():
             trainer.fit(Classifier(), train_loader())
         assert callback in trainer.callbacks
     assert seen == ["lightning", "lightning", "fasttrain", "fasttrain"]
+
+
+def test_the_trainers_dataloader_properties_are_lightnings():
+    """train_dataloader, val_dataloaders, test_dataloaders and predict_dataloaders after each run
+    of a sequence, as under Lightning: a run's own loaders (one, or the list of several; the
+    prediction loaders rebuilt over the same data as Lightning rebuilds them), None for the kinds
+    it does not run (an earlier run's loaders are not held)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_modules import classification_data, val_loader
+
+    class TestsSeveral(Classifier):
+        def test_step(self, batch, batch_idx, dataloader_idx=0):
+            return super().test_step(batch, batch_idx)
+
+    def held(trainer, given):
+        out = []
+        for name in ("train_dataloader", "val_dataloaders", "test_dataloaders", "predict_dataloaders"):
+            value = getattr(trainer, name)
+            if value is None:
+                out.append(None)
+            elif name == "predict_dataloaders":
+                out.append(isinstance(value, DataLoader) and value.dataset is given[name].dataset)
+            else:
+                out.append(value is given[name] or value == given[name])
+        return out
+
+    seen = []
+    for trainer_cls in (L.Trainer, Trainer):
+        trainer = trainer_cls(**{**QUIET, "max_epochs": 1})
+        module = TestsSeveral()
+        given = dict(train_dataloader=train_loader(), val_dataloaders=val_loader(),
+                     test_dataloaders=[val_loader(), val_loader()],
+                     predict_dataloaders=loader(classification_data(n=8, seed=1).tensors[0], batch_size=4))
+        states = [held(trainer, given)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, given["train_dataloader"], given["val_dataloaders"])
+            states.append(held(trainer, given))
+            trainer.test(module, given["test_dataloaders"], verbose=False)
+            states.append(held(trainer, given))
+            trainer.validate(module, given["val_dataloaders"], verbose=False)
+            states.append(held(trainer, given))
+            trainer.predict(module, given["predict_dataloaders"])
+            states.append(held(trainer, given))
+        seen.append(states)
+    assert seen[1] == seen[0]
+    assert seen[0][-1] == [None, None, None, True] and seen[0][1] == [True, True, None, None]

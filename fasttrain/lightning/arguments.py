@@ -387,7 +387,7 @@ def parse_arguments(kwargs: dict) -> TrainerArguments:
     """``TrainerArguments`` from the keyword arguments given to ``Trainer``, over the defaults
     Lightning reads from ``PL_TRAINER_<ARGUMENT>`` environment variables (a given argument wins,
     as in Lightning); an unknown or unsupported name is a ``TypeError`` naming it."""
-    from lightning.pytorch import Trainer as LightningTrainer
+    from lightning.pytorch.trainer.trainer import Trainer as LightningTrainer  # its signature, also where the name is rebound
     from lightning.pytorch.utilities.argparse import _parse_env_variables
 
     kwargs = {**vars(_parse_env_variables(LightningTrainer)), **kwargs}

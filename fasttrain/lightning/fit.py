@@ -91,6 +91,9 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
                       TrainerFn.TESTING: RunningStage.TESTING, TrainerFn.PREDICTING: RunningStage.PREDICTING}[fn]
     lt.should_stop = False
     lt._load_train_data = None
+    # as in Lightning, a run's loaders replace every earlier run's (train_dataloader is None after
+    # validate(), test_dataloaders after fit(), ...), which are no longer held
+    lt._train_loader, lt._val_loaders, lt._test_loaders, lt._predict_loaders = None, [], [], []
     # before the hooks are resolved, so the module's callbacks get every hook of this run
     merge_module_callbacks(lt, model)
     lt._hooks = (ProfiledHookCaller if profiling(lt) else HookCaller)(lt, model, lt.callbacks)

@@ -359,6 +359,13 @@ class Trainer(LoopProperties):
         return loaders[0] if len(loaders) == 1 else (loaders or None)
 
     @property
+    def predict_dataloaders(self):
+        """The loaders of the last predict() (rebuilt, as Lightning rebuilds them, so that their
+        batch sampler records each batch's sample indices)."""
+        loaders = self._predict_loaders
+        return loaders[0] if len(loaders) == 1 else (loaders or None)
+
+    @property
     def progress_bar_callback(self):
         """The first ``ProgressBar`` among the callbacks, as in Lightning (None: none)."""
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
