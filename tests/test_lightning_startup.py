@@ -270,3 +270,23 @@ def test_the_trainers_dataloader_properties_are_lightnings():
         seen.append(states)
     assert seen[1] == seen[0]
     assert seen[0][-1] == [None, None, None, True] and seen[0][1] == [True, True, None, None]
+
+
+@pytest.mark.parametrize("limits", [{"max_epochs": 2}, {"max_steps": 3, "max_epochs": -1}, {"max_epochs": 1, "limit_train_batches": 0}])
+def test_the_fit_says_why_it_stopped_as_lightning_does(limits, caplog):
+    """Lightning's info line at a fit's end: which limit ended it (none where the fit had no
+    training batch to run)."""
+    import logging
+
+    from lightning_modules import train_loader
+
+    said = []
+    for trainer_cls in (L.Trainer, Trainer):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer_cls(**{**QUIET, **limits}).fit(Classifier(), train_loader())
+        said.append([r.getMessage() for r in caplog.records if "`Trainer.fit` stopped" in r.getMessage()])
+    assert said[1] == said[0]
+    assert bool(said[0]) == ("limit_train_batches" not in limits)

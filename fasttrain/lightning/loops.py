@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
@@ -365,13 +366,19 @@ def _batch_end_outputs(batch_output, k: int) -> dict:
 
 
 def _fit_done(lt) -> bool:
+    # with Lightning's line saying which limit ended the fit
     if lt.num_training_batches == 0:
         return True
     if lt.max_steps != -1 and lt.global_step >= lt.max_steps:
+        rank_zero_info(f"`Trainer.fit` stopped: `max_steps={lt.max_steps!r}` reached.")
         return True
     if lt.max_epochs != -1 and lt.fit_loop.epoch_progress.current.processed >= lt.max_epochs:
+        rank_zero_info(f"`Trainer.fit` stopped: `max_epochs={lt.max_epochs!r}` reached.")
         return True
-    return bool(lt.should_stop) and can_stop_early(lt)
+    if lt.should_stop and can_stop_early(lt):
+        rank_zero_debug("`Trainer.fit` stopped: `trainer.should_stop` was set.")
+        return True
+    return False
 
 
 def can_stop_early(lt) -> bool:
