@@ -367,3 +367,46 @@ def test_predict_returning_none_and_max_epochs_unset_warn_like_lightning():
 @pytest.mark.parametrize("value", [(1, 2), "1.0", [0.5]])
 def test_a_gradient_clip_value_that_is_no_number_is_lightnings_type_error(value):
     _same_error(lambda trainer_cls: trainer_cls(**QUIET, gradient_clip_val=value), kind=TypeError)
+
+
+class NoData(Classifier):
+    """Defines steps but no dataloader hook."""
+
+    def test_step(self, batch, batch_idx):
+        return super().test_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
+@pytest.mark.parametrize("run, argument", [("fit", "train_dataloaders"), ("validate", "dataloaders"),
+                                           ("test", "dataloaders"), ("predict", "dataloaders")])
+@pytest.mark.parametrize("data", [None, object(), [train_loader, object()]])
+def test_data_a_run_cannot_iterate_is_lightnings_type_error(run, argument, data):
+    """Something that cannot be iterated (alone or in a list), given to the run or returned by its
+    hook, and no hook at all: Lightning's TypeError and words; nothing given and LightningModule's
+    own hook: the MisconfigurationException that hook raises. Each is a ValueError too (what
+    fasttrain raised before)."""
+    passed = [d() if callable(d) else d for d in data] if isinstance(data, list) else data
+
+    def given(trainer_cls):
+        getattr(trainer_cls(**{**QUIET, "max_epochs": 1}), run)(NoData(), **{argument: passed})
+
+    # nothing at all: LightningModule's own hook raises Lightning's MisconfigurationException
+    ours = _same_error(given, kind=MisconfigurationException if data is None else TypeError)
+    assert isinstance(ours, ValueError)
+    hook = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}[run] + "_dataloader"
+    if data is None:
+        def no_hook(trainer_cls):
+            module = NoData()
+            setattr(module, hook, None)  # no hook at all, as Lightning's own test sets it
+            getattr(trainer_cls(**{**QUIET, "max_epochs": 1}), run)(module)
+
+        _same_error(no_hook, kind=TypeError)
+
+    def returned(trainer_cls):
+        module = NoData()
+        setattr(module, hook, lambda: passed)
+        getattr(trainer_cls(**{**QUIET, "max_epochs": 1}), run)(module)
+
+    _same_error(returned, kind=TypeError)

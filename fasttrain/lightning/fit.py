@@ -44,6 +44,7 @@ from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import end_run, handle_errors, teardown
 from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.run_data import (
+    check_iterable,
     datamodule_overrides,
     load_data,
     load_train_data,
@@ -447,7 +448,9 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     _setup_hooks(lt, fn)
     lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
-    loaders = evaluation_loaders(request(lt, dataloaders, hook))
+    requested = request(lt, dataloaders, hook)
+    check_iterable(lt, requested, dataloaders, hook)
+    loaders = evaluation_loaders(requested)
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
     running = RunningStage.TESTING if stage == "test" else RunningStage.VALIDATING
@@ -484,7 +487,9 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
     lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
-    loaders = prediction_loaders(request(lt, dataloaders, "predict_dataloader"))
+    requested = request(lt, dataloaders, "predict_dataloader")
+    check_iterable(lt, requested, dataloaders, "predict_dataloader")
+    loaders = prediction_loaders(requested)
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
     # prediction_loaders gives plain loaders only (a sequential CombinedLoader flattened)

@@ -11,8 +11,14 @@ from types import SimpleNamespace
 
 from lightning.fabric.utilities.data import _set_sampler_epoch, has_iterable_dataset, sized_len
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.trainer.connectors.data_connector import _resolve_overfit_batches, _worker_check
+from lightning.pytorch.trainer.connectors.data_connector import (
+    _check_dataloader_iterable,
+    _DataLoaderSource,
+    _resolve_overfit_batches,
+    _worker_check,
+)
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
@@ -20,8 +26,40 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from fasttrain.lightning.arguments import num_batches
 from fasttrain.lightning.combined import CombinedData, evaluation_loaders, flat, training_data
+from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.hooks import module_overrides
 from fasttrain.lightning.loops import prepare_eval_loader, prepare_train_loader
+
+
+class InvalidDataloaderError(TypeError, ValueError):
+    """Lightning's ``TypeError`` for data a run cannot iterate (also a ``ValueError``)."""
+
+
+def check_iterable(lt, loaders, given, hook: str) -> None:
+    """Lightning's check of what :func:`request` found: ``None`` (nothing given, no hook), or
+    anything in it that cannot be iterated, is Lightning's TypeError with its words (naming what
+    was passed to the run, or the hook that returned it)."""
+    dm = lt.datamodule
+    if given is not None:
+        instance = given
+    elif dm is not None and datamodule_overrides(dm, hook):
+        instance = dm
+    else:
+        instance = lt.lightning_module
+        if not module_overrides(instance, hook) and callable(getattr(instance, hook, None)):
+            # LightningModule's own hook, which raises this when Lightning calls it
+            raise LightningConfigError(f"`{hook}` must be implemented to be used with the Lightning Trainer")
+    source = _DataLoaderSource(instance, hook)
+    if loaders is None:
+        flattened = [None]
+    else:
+        # a CombinedLoader's own loaders (iterating it would start them: a shuffle's draw)
+        flattened = (loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)).flattened
+    for loader in flattened:
+        try:
+            _check_dataloader_iterable(loader, source, lt.state.fn)
+        except TypeError as error:
+            raise InvalidDataloaderError(str(error)) from None
 
 
 def request(lt, given, hook: str):
@@ -104,8 +142,7 @@ def load_train_data(lt, given, processes: int) -> None:
     ``reload_dataloaders_every_n_epochs`` names."""
     lt._load_train_data = None
     train_loader = request(lt, given, "train_dataloader")
-    if train_loader is None:
-        raise ValueError("fit() needs training data: pass train_dataloaders, a datamodule, or define train_dataloader()")
+    check_iterable(lt, train_loader, given, "train_dataloader")
     # several loaders (a collection, a CombinedLoader) and a loader whose len() raises are
     # combined, as Lightning combines every training source (combined.py)
     train_loader = _processed(lt, training_data(train_loader), RunningStage.TRAINING)
