@@ -101,3 +101,45 @@ def test_closure_optimizers_under_manual_optimization_like_lightning():
         if theirs is not None:
             torch.testing.assert_close(mine, theirs)
     assert_same_weights(reference, ours)
+
+
+class NormalizedClassifier(Classifier):
+    """A BatchNorm layer, whose running statistics StochasticWeightAveraging recomputes for the
+    averaged weights in an extra epoch of forward passes only."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 3))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_stochastic_weight_averaging_with_batchnorm_ends_with_lightnings_weights(engine):
+    """The callback's BatchNorm epoch (fit_loop._skip_backward): training_step runs for its
+    statistics, with no backward and no update; the averaged weights and the recomputed running
+    statistics are Lightning's, and so are the step count and the epochs."""
+    import warnings
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from fasttrain.lightning import Trainer
+    from lightning_modules import QUIET
+    import lightning as L
+
+    modules, seen = [], []
+    for trainer_cls, extra in ((L.Trainer, {}), (Trainer, {"engine": engine})):
+        torch.manual_seed(0)
+        module = NormalizedClassifier()
+        trainer = trainer_cls(**QUIET, max_epochs=4, **extra,
+                              callbacks=[StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module, train_loader())
+        modules.append(module)
+        seen.append((trainer.global_step, trainer.current_epoch))
+    assert seen[1] == seen[0]
+    assert_same_weights(modules[0], modules[1])
+    assert int(modules[0].net[1].num_batches_tracked) > 0

@@ -37,7 +37,8 @@ class _AutomaticOptimization(_Loop):
     def __init__(self, trainer) -> None:
         super().__init__(trainer)
         self.optim_progress = _OptimizationProgress()
-        #: Lightning's flag to run a batch without backward (read by some callbacks)
+        #: Lightning's flag to run a batch without zero-grad, backward or update (set by
+        #: StochasticWeightAveraging for its BatchNorm epoch; the fit loop reads it per batch)
         self._skip_backward = False
 
 
@@ -293,6 +294,15 @@ class FitLoop(_Loop):
         #: where a checkpoint just loaded resumes (see :meth:`restore`), until the first epoch starts
         self._resume: Optional[tuple] = None
         self._resumed_after_validation = False
+
+    @property
+    def _skip_backward(self) -> bool:
+        # Lightning's flag (StochasticWeightAveraging's BatchNorm epoch): batches without backward or update
+        return self.epoch_loop.automatic_optimization._skip_backward
+
+    @_skip_backward.setter
+    def _skip_backward(self, value: bool) -> None:
+        self.epoch_loop.automatic_optimization._skip_backward = value
 
     @property
     def max_batches(self):

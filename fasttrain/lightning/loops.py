@@ -128,12 +128,12 @@ def run_fit(lt, runner) -> None:
     moves_batches = any(h is not None for h in lt._batch_hooks.values()) or lt._device.type != "cpu"
     batch_start_hooked = hooks.overridden("on_train_batch_start")
     batch_end_hooked = hooks.overridden("on_train_batch_end")
-    schedulers = bool(lt.lr_scheduler_configs)
     # Lightning's progress counters, advanced where Lightning advances them (host integers)
     epochs = state.epoch_progress
     batches = epoch_loop.batch_progress
     current, total = batches.current, batches.total
-    optimizer_counts = epoch_loop.automatic_optimization.optim_progress.optimizer
+    optimization = epoch_loop.automatic_optimization
+    optimizer_counts = optimization.optim_progress.optimizer
     # the step and zero-grad counters advanced in place, as Lightning's increment_ready,
     # increment_completed and increment_by(1) advance them (a dozen calls a batch otherwise)
     step_total, step_current = optimizer_counts.step.total, optimizer_counts.step.current
@@ -177,6 +177,8 @@ def run_fit(lt, runner) -> None:
         # the batch it stopped at, on a fresh iterator: the epoch takes the loader's first
         # remaining-count batches, as Lightning's does
         first = state.begin_epoch(lambda: hooks("on_train_epoch_start"), num_batches, k)
+        # after the epoch's start hooks, which may add one (StochasticWeightAveraging's SWALR)
+        schedulers = bool(lt.lr_scheduler_configs)
         engine.start_train_epoch()  # after the hooks, which may unfreeze layers
         if epoch_loop.restarting and not state._resumed_after_validation and _should_validate(
             lt, first - 1, batches.is_last_batch
@@ -226,13 +228,22 @@ def run_fit(lt, runner) -> None:
                 if batch is None:  # no step, no update (see skipped_steps.py)
                     outputs = skip_none_batch(lt)
                 else:
+                    skip_backward = optimization._skip_backward
+                    if skip_backward:
+                        # StochasticWeightAveraging's BatchNorm epoch: the callback sets the
+                        # accumulation past the epoch's end, so Lightning's only step is at its
+                        # final batch, on the gradients the last backward left
+                        update = last
                     if update:
                         step_total.ready += 1
                         step_current.ready += 1
-                    batch_output = automatic_step(batch, batch_idx, update)
+                    if skip_backward:
+                        batch_output = _step_without_backward(runner, batch, update)
+                    else:
+                        batch_output = automatic_step(batch, batch_idx, update)
                     if results.pending:
                         results.drain(module.device)
-                    if window_start and count_zero_grad and not (update and lt._module_steps):
+                    if window_start and count_zero_grad and not (update and lt._module_steps) and not skip_backward:
                         # a closure step counts its own
                         zero_grad_total.ready += 1
                         zero_grad_total.started += 1
@@ -325,6 +336,20 @@ def _automatic_step(lt, runner, train_step, batch, batch_idx: int, update: bool)
         return train_step(batch, update)
     except StepReturnedNone:
         return skip_step(lt, runner, update, batch_idx)
+
+
+def _step_without_backward(runner, batch, update: bool):
+    """A batch while ``fit_loop._skip_backward`` is set, as Lightning runs it: its closure
+    without zero-grad and backward (``training_step`` under grad mode), eagerly; on a stepping
+    batch through the ``optimizer_step`` hook, whose update applies the gradients there are.
+    Returns the step's output, None for a step that returned None."""
+    if update:
+        return runner.closure_step(batch, backward=False)
+    with torch.enable_grad():
+        try:
+            return runner.calculate_train_batch_loss(batch)
+        except StepReturnedNone:
+            return None
 
 
 def _numbered(iterator, first: int, end):

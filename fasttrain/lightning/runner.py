@@ -315,16 +315,17 @@ class ModuleRunner(FasttrainTrainer):
         else:
             FasttrainTrainer.optimizer_zero_grad(self)
 
-    def closure_step(self, batch) -> dict:
+    def closure_step(self, batch, backward: bool = True) -> dict:
         """A stepping batch when the module overrides ``optimizer_step`` or the optimizer's step
         needs a closure (LBFGS): as in Lightning, the hook runs first and its closure runs the
-        training step and backward. Runs eagerly."""
+        training step and backward (``backward=False``: the training step only, no zero-grad, as
+        under ``fit_loop._skip_backward``). Runs eagerly."""
         lt = self.lt
         result = {}
         # an optimizer may evaluate the closure several times: each evaluation of a window's
         # first batch clears the gradients after its training step, as Lightning's closure does
         # (backward_step, or below without a loss); the loop does not count these clearings
-        count_clearing = self.window_start and not lt._own_zero_grad
+        count_clearing = backward and self.window_start and not lt._own_zero_grad
         counts = lt.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
 
         @torch.enable_grad()  # as Lightning's closure: an optimizer may step under no_grad
@@ -338,11 +339,12 @@ class ModuleRunner(FasttrainTrainer):
             if batch_output is None:
                 # as Lightning's closure: no backward, the optimizer steps on what it has
                 check_none_step(lt, self.batch_idx)
-                if self.window_start:
+                if self.window_start and backward:
                     self.zero_grad_at_window_start()
                 result["output"] = None
                 return None
-            self.backward_step(self._step_context.loss_for_backward(batch_output))
+            if backward:
+                self.backward_step(self._step_context.loss_for_backward(batch_output))
             result["output"] = batch_output
             return batch_output["loss"]
 
