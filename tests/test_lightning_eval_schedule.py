@@ -102,12 +102,14 @@ class Validations(Classifier):
                                                  if k.startswith("val")})))
 
 
-def _validations(**trainer_kwargs):
+def _validations(module_cls=None, **trainer_kwargs):
+    """The events of ``module_cls`` (default :class:`Validations`) fitted under each trainer,
+    compared; Lightning's."""
     modules = {}
 
     def make():
         def action(trainer):
-            module = modules[type(trainer).__module__.split(".")[0]] = Validations()
+            module = modules[type(trainer).__module__.split(".")[0]] = (module_cls or Validations)()
             trainer.fit(module)
             return module.events, trainer.global_step
 
@@ -161,23 +163,9 @@ def test_a_training_stream_validates_on_lightnings_cadence(interval, accumulate,
     """A training loader of unknown length: a batch-count val_check_interval validates every
     that many batches (counted over the fit with check_val_every_n_epoch=None, in the epoch
     otherwise), 1.0 at the end of the data, as under Lightning."""
-    modules = {}
-
-    def make():
-        def action(trainer):
-            module = modules[type(trainer).__module__.split(".")[0]] = StreamValidations()
-            trainer.fit(module)
-            return module.events, trainer.global_step
-
-        return {}, action
-
-    out = _each(make, max_epochs=2, val_check_interval=interval, check_val_every_n_epoch=every,
-                accumulate_grad_batches=accumulate)
-    for events, _ in out.values():
-        events.remove(("train_dataloader", 0))
-    assert out["fasttrain"] == out["lightning"]
-    assert_same_weights(modules["lightning"], modules["fasttrain"])
-    assert sum(e[0] == "validation" and not e[2] for e in out["lightning"][0]) >= 2
+    events = _validations(StreamValidations, max_epochs=2, val_check_interval=interval, check_val_every_n_epoch=every,
+                          accumulate_grad_batches=accumulate)
+    assert sum(e[0] == "validation" and not e[2] for e in events) >= 2
 
 
 def test_a_fractional_val_check_interval_over_a_training_stream_is_lightnings_error():
