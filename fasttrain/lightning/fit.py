@@ -44,14 +44,13 @@ from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import end_run, handle_errors, teardown
 from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.run_data import (
-    check_iterable,
     datamodule_overrides,
     load_data,
     load_train_data,
     load_val_data,
     process_each,
     process_loader,
-    request,
+    request_checked,
 )
 from fasttrain.lightning.runner import ModuleRunner
 from fasttrain.lightning.skipped_steps import may_return_none
@@ -448,9 +447,7 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     _setup_hooks(lt, fn)
     lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
-    requested = request(lt, dataloaders, hook)
-    check_iterable(lt, requested, dataloaders, hook)
-    loaders = evaluation_loaders(requested)
+    loaders = evaluation_loaders(request_checked(lt, dataloaders, hook))
     if not loaders:
         raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
     running = RunningStage.TESTING if stage == "test" else RunningStage.VALIDATING
@@ -487,9 +484,7 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     runner = _runner(lt, "eager")
     _setup_hooks(lt, TrainerFn.PREDICTING)
     lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
-    requested = request(lt, dataloaders, "predict_dataloader")
-    check_iterable(lt, requested, dataloaders, "predict_dataloader")
-    loaders = prediction_loaders(requested)
+    loaders = prediction_loaders(request_checked(lt, dataloaders, "predict_dataloader"))
     if not loaders:
         raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
     # prediction_loaders gives plain loaders only (a sequential CombinedLoader flattened)

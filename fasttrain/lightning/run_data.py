@@ -35,18 +35,43 @@ class InvalidDataloaderError(TypeError, ValueError):
     """Lightning's ``TypeError`` for data a run cannot iterate (also a ``ValueError``)."""
 
 
-def check_iterable(lt, loaders, given, hook: str) -> None:
-    """Lightning's check of what :func:`request` found: ``None`` (nothing given, no hook), or
-    anything in it that cannot be iterated, is Lightning's TypeError with its words (naming what
-    was passed to the run, or the hook that returned it)."""
-    dm = lt.datamodule
+def _source(lt, given, hook: str):
+    """Where a run's loaders of ``hook`` come from: ``given`` to the run, else the DataModule
+    or the module that overrides ``hook`` (the DataModule first), else None."""
     if given is not None:
-        instance = given
-    elif dm is not None and datamodule_overrides(dm, hook):
-        instance = dm
-    else:
+        return given
+    dm = lt.datamodule
+    if dm is not None and datamodule_overrides(dm, hook):
+        return dm
+    if module_overrides(lt.lightning_module, hook):
+        return lt.lightning_module
+    return None
+
+
+def _loaders_from(lt, source, given, hook: str):
+    # what the run was given, or what the source's hook returns (the module's through the hooks)
+    if source is None or source is given:
+        return source
+    if source is lt.lightning_module:
+        return lt._hooks.module_hook(hook)
+    return getattr(source, hook)()
+
+
+def request(lt, given, hook: str):
+    """The loaders of ``hook``: those given to the run, else the DataModule's or the module's
+    ``hook()`` (whichever overrides it, the DataModule first), else None."""
+    return _loaders_from(lt, _source(lt, given, hook), given, hook)
+
+
+def request_checked(lt, given, hook: str):
+    """:func:`request`'s loaders, checked as Lightning checks what a run requested: ``None``
+    (nothing given, no hook), or anything in it that cannot be iterated, is Lightning's TypeError
+    with its words (naming what was passed to the run, or the hook that returned it)."""
+    instance = _source(lt, given, hook)
+    loaders = _loaders_from(lt, instance, given, hook)
+    if instance is None:
         instance = lt.lightning_module
-        if not module_overrides(instance, hook) and callable(getattr(instance, hook, None)):
+        if callable(getattr(instance, hook, None)):
             # LightningModule's own hook, which raises this when Lightning calls it
             raise LightningConfigError(f"`{hook}` must be implemented to be used with the Lightning Trainer")
     source = _DataLoaderSource(instance, hook)
@@ -60,23 +85,11 @@ def check_iterable(lt, loaders, given, hook: str) -> None:
             _check_dataloader_iterable(loader, source, lt.state.fn)
         except TypeError as error:
             raise InvalidDataloaderError(str(error)) from None
-
-
-def request(lt, given, hook: str):
-    """The loaders of ``hook``: those given to the run, else the DataModule's or the module's
-    ``hook()`` (whichever overrides it, the DataModule first), else None."""
-    if given is not None:
-        return given
-    if lt.datamodule is not None and datamodule_overrides(lt.datamodule, hook):
-        return getattr(lt.datamodule, hook)()
-    if module_overrides(lt.lightning_module, hook):
-        return lt._hooks.module_hook(hook)
-    return None
+    return loaders
 
 
 def has_source(lt, given, hook: str) -> bool:  # whether request() would find loaders (requesting none)
-    dm = lt.datamodule
-    return given is not None or (dm is not None and datamodule_overrides(dm, hook)) or module_overrides(lt.lightning_module, hook)
+    return _source(lt, given, hook) is not None
 
 
 def datamodule_overrides(dm, hook: str) -> bool:
@@ -141,8 +154,7 @@ def load_train_data(lt, given, processes: int) -> None:
     module's ``train_dataloader()``) and count its batches; again at the epochs
     ``reload_dataloaders_every_n_epochs`` names."""
     lt._load_train_data = None
-    train_loader = request(lt, given, "train_dataloader")
-    check_iterable(lt, train_loader, given, "train_dataloader")
+    train_loader = request_checked(lt, given, "train_dataloader")
     # several loaders (a collection, a CombinedLoader) and a loader whose len() raises are
     # combined, as Lightning combines every training source (combined.py)
     train_loader = _processed(lt, training_data(train_loader), RunningStage.TRAINING)

@@ -350,20 +350,17 @@ class Trainer(LoopProperties):
 
     @property
     def val_dataloaders(self):
-        loaders = self._val_loaders
-        return loaders[0] if len(loaders) == 1 else (loaders or None)
+        return _one_or_all(self._val_loaders)
 
     @property
     def test_dataloaders(self):
-        loaders = self._test_loaders
-        return loaders[0] if len(loaders) == 1 else (loaders or None)
+        return _one_or_all(self._test_loaders)
 
     @property
     def predict_dataloaders(self):
         """The loaders of the last predict() (rebuilt, as Lightning rebuilds them, so that their
         batch sampler records each batch's sample indices)."""
-        loaders = self._predict_loaders
-        return loaders[0] if len(loaders) == 1 else (loaders or None)
+        return _one_or_all(self._predict_loaders)
 
     @property
     def progress_bar_callback(self):
@@ -576,6 +573,11 @@ class Trainer(LoopProperties):
         # in the name) and what was logged outside them, as Lightning splits its results
         owner = results.logged_loaders()
         return [{k: v for k, v in host.items() if owner.get(k) in (i, None)} for i in range(num_loaders)]
+
+
+def _one_or_all(loaders: list):
+    # a run's evaluation loaders as Lightning's properties give them: the one, the list, or None
+    return loaders[0] if len(loaders) == 1 else (loaders or None)
 
 
 def planned_device(trainer) -> torch.device:
