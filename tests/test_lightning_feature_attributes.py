@@ -135,6 +135,39 @@ def test_installed_callbacks_are_looked_up_once_and_made_for_each_trainer(monkey
     assert len(looked_up) == 3
 
 
+@pytest.mark.parametrize("given", [[], ["ModelSummary"], ["RichModelSummary"]])
+def test_the_model_summary_is_lightnings_callback_in_trainer_callbacks(given):
+    from lightning.pytorch import callbacks
+
+    for trainer_cls in BOTH:
+        trainer = trainer_cls(callbacks=[getattr(callbacks, name)() for name in given],
+                              enable_progress_bar=False, logger=False, enable_checkpointing=False)
+        made = [type(cb) for cb in trainer.callbacks]
+        if trainer_cls is L.Trainer:
+            expected = made
+    assert made == expected and len(made) == 1
+    assert issubclass(made[0], callbacks.ModelSummary)
+    off = Trainer(enable_model_summary=False, enable_progress_bar=False, logger=False, enable_checkpointing=False)
+    assert off.callbacks == []
+
+
+def test_a_model_summary_callback_of_yours_is_the_only_summary_as_in_lightning(caplog, capsys):
+    """ModelSummary(max_depth=2) given: its table, once, in the log Lightning writes it to."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    tables = []
+    for trainer_cls in BOTH:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lightning.pytorch.callbacks.model_summary"):
+            trainer = trainer_cls(max_epochs=1, callbacks=[ModelSummary(max_depth=2)],
+                                  enable_progress_bar=False, logger=False, enable_checkpointing=False)
+            trainer.fit(Classifier(), train_loader())
+        tables.append([r.getMessage() for r in caplog.records if r.name.endswith("model_summary")])
+        assert "Trainable params" not in capsys.readouterr().out
+    assert tables[1] == tables[0] and len(tables[0]) == 1
+    assert "net.0" in tables[0][0]  # the second level: max_depth=2
+
+
 def test_num_nodes_must_match_the_launch():
     trainer = Trainer(num_nodes=2, max_epochs=1, **QUIET)
     assert trainer.num_nodes == 2

@@ -108,6 +108,7 @@ def _fp16_scaled_on_the_cpu(monkeypatch, init_scale):
 def test_fp16_loss_scaling_steps_as_lightnings_amp(monkeypatch, fresh_accelerate_state, engine, module, atol, init_scale):
     # 2**28 overflows the first steps' fp16 gradients: both skip those updates and lower the scale
     import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
     plugin = _fp16_scaled_on_the_cpu(monkeypatch, init_scale)
     options = {"engine": engine, "compile_options": {"backend": "aot_eager"} if engine == "compiled" else None}
@@ -116,8 +117,11 @@ def test_fp16_loss_scaling_steps_as_lightnings_amp(monkeypatch, fresh_accelerate
     fm = module()
     fm.load_state_dict(lm.state_dict())
     fitted = []
+    # the plugin on the CPU: fp16 autocast there is only what the plugin asks for (precision="16-mixed"
+    # on the CPU is bf16-mixed in Lightning); fasttrain's is accelerate's scaler once the fit has started
+    fasttrain_plugin = MixedPrecision("16-mixed", "cpu")
     for trainer in (L.Trainer(max_epochs=2, plugins=[plugin], **QUIET),
-                    Trainer(max_epochs=2, precision="16-mixed", **options, **QUIET)):
+                    Trainer(max_epochs=2, plugins=[fasttrain_plugin], **options, **QUIET)):
         torch.manual_seed(1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -126,9 +130,70 @@ def test_fp16_loss_scaling_steps_as_lightnings_amp(monkeypatch, fresh_accelerate
     lt, ft = fitted
     assert ft.engine == engine
     assert ft.global_step == lt.global_step == 12
+    assert ft.precision == lt.precision == "16-mixed"
+    assert ft.precision_plugin is fasttrain_plugin and fasttrain_plugin.scaler is ft._scaler()
     assert ft._scaler().get_scale() == lt.precision_plugin.scaler.get_scale()
     assert (ft._scaler().get_scale() < init_scale) == (init_scale > 2.0**16)  # the skips happened
     assert_same_weights(lm, fm, atol=atol)
+
+
+def test_16_mixed_on_the_cpu_runs_bf16_autocast_with_lightnings_warning(fresh_accelerate_state):
+    """Lightning runs precision="16-mixed" on the CPU as bf16-mixed and says so; accelerate would
+    run it in full precision (it has no fp16 autocast for the CPU) while the trainer read 16-mixed."""
+    import lightning as L
+
+    seen = {}
+
+    class Recording(Classifier):
+        def training_step(self, batch, batch_idx):
+            seen.setdefault(type(self.trainer).__module__, self(batch[0]).dtype)
+            return super().training_step(batch, batch_idx)
+
+    said = []
+    for make in (L.Trainer, Trainer):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make(accelerator="cpu", precision="16-mixed", **QUIET)
+        said.append([str(w.message) for w in caught if "16-mixed" in str(w.message)])
+    assert said[0] == said[1] and len(said[1]) == 1 and "Using `precision='bf16-mixed'` instead" in said[1][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lt, lm, ft, fm = fit_both(Recording, train_loader,
+                                  trainer_kwargs=dict(max_epochs=1, accelerator="cpu", precision="16-mixed"))
+    assert ft.precision == lt.precision == "bf16-mixed"
+    assert list(seen.values()) == [torch.bfloat16, torch.bfloat16] and len(seen) == 2
+    assert ft._scaler() is None
+    assert_same_weights(lm, fm, atol=2e-2)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_the_precision_plugin_is_lightnings_for_each_precision(precision, fresh_accelerate_state):
+    import lightning as L
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lt = L.Trainer(accelerator="cpu", precision=precision, **QUIET)
+        ft = Trainer(accelerator="cpu", precision=precision, **QUIET)
+    assert type(ft.precision_plugin) is type(lt.precision_plugin)
+    assert ft.strategy.precision_plugin is ft.precision_plugin
+    for name in ("precision", "device", "scaler"):
+        assert getattr(ft.precision_plugin, name, None) == getattr(lt.precision_plugin, name, None)
+
+
+def test_an_fp16_plugin_accelerate_cannot_scale_is_refused_before_the_first_step(fresh_accelerate_state):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Counting(Classifier):
+        steps = 0
+
+        def training_step(self, batch, batch_idx):
+            Counting.steps += 1
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(max_epochs=1, plugins=[MixedPrecision("16-mixed", "cpu")], **QUIET)
+    with pytest.raises(ValueError, match="MixedPrecision\\('16-mixed'.*bf16-mixed"):
+        trainer.fit(Counting(), train_loader())
+    assert Counting.steps == 0
 
 
 @pytest.mark.gpu

@@ -17,7 +17,6 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerSta
 from lightning.pytorch.utilities.compile import _maybe_unwrap_optimized
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.model_summary import summarize
 from lightning.pytorch.utilities.parsing import clean_namespace
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -363,8 +362,6 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
         module.zero_grad()  # as Lightning starts each run's loop: gradients left before the fit go
         load_data(lt, val_dataloaders)
         runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
-        if lt._args.enable_model_summary and lt.is_global_zero:
-            print(summarize(module))
         train_loader = lt._train_loader
         with metric_calls_outside_graphs(module, runner):
             _train(train_loader)

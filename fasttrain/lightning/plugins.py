@@ -26,11 +26,13 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins import LayerSync, MixedPrecision, Precision
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from fasttrain.lightning.errors import LightningConfigError
 
 # accelerate's mixed precision for the Lightning precision plugins fasttrain runs
 _MIXED = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+_FLAGS = {mixed: flag for flag, mixed in _MIXED.items()}
 # GradScaler's defaults: accelerate builds its own scaler with them, so a plugin's scaler with
 # other settings cannot be honoured
 _SCALER_DEFAULTS = {"_init_scale": 2.0**16, "_growth_factor": 2.0, "_backoff_factor": 0.5, "_growth_interval": 2000}
@@ -130,3 +132,38 @@ def _mixed_precision(plugin: Precision) -> str:
         "run full precision or accelerate's mixed precision only; use precision='32-true', 'bf16-mixed' or "
         "'16-mixed' (or plugins=[Precision()] / [MixedPrecision(...)]), or train this run with lightning.Trainer."
     )
+
+
+def precision_of_run(chosen: Plugins, mixed_precision: str, device_type: str):
+    """``trainer.precision_plugin`` and accelerate's mixed precision for a Trainer that trains on
+    ``device_type``, as Lightning's accelerator connector decides them: a plugin given is used as
+    it is; ``precision="16-mixed"`` on the CPU, where there is no fp16 autocast to run, is
+    bf16-mixed, with Lightning's warning; a mixed precision is a ``MixedPrecision`` plugin."""
+    if chosen.precision_plugin is not None:
+        return chosen.precision_plugin, mixed_precision
+    if mixed_precision == "fp16" and device_type == "cpu":
+        rank_zero_warn(
+            "You passed `Trainer(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not supported on "
+            "CPU. Using `precision='bf16-mixed'` instead."
+        )
+        mixed_precision = "bf16"
+    if mixed_precision == "no":
+        return Precision(), mixed_precision
+    rank_zero_info(f"Using {'16bit' if mixed_precision == 'fp16' else 'bfloat16'} Automatic Mixed Precision (AMP)")
+    return MixedPrecision(_FLAGS[mixed_precision], "cpu" if device_type == "cpu" else "cuda"), mixed_precision
+
+
+def share_loss_scaler(plugin: Precision, accelerator) -> None:
+    """A ``MixedPrecision("16-mixed")`` plugin's ``scaler`` is the run's loss scaler, accelerate's,
+    so that what a callback reads there (``get_scale()``) is what the steps use. Where accelerate
+    makes no scaler (fp16 on the CPU, which it would run in full precision) the run stops here,
+    before its first hook, rather than train in another precision than the plugin names."""
+    if type(plugin) is not MixedPrecision or plugin.precision != "16-mixed":
+        return
+    if accelerator.scaler is None:
+        raise ValueError(
+            f"plugins=[MixedPrecision('16-mixed', {plugin.device!r})] on the {accelerator.device.type.upper()}: accelerate "
+            "runs fp16 mixed precision, with its loss scaler, on CUDA only, and would train this run in full "
+            "precision; on the CPU use precision='bf16-mixed' (or MixedPrecision('bf16-mixed', 'cpu'))"
+        )
+    plugin.scaler = accelerator.scaler

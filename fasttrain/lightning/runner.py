@@ -29,6 +29,7 @@ from fasttrain.lightning.fast_log import step_logger
 from fasttrain.lightning.grad_modes import anomaly_context
 from fasttrain.lightning.graph_logging import LoggedCalls
 from fasttrain.lightning.graphed_hooks import GraphedBackwardHooks
+from fasttrain.lightning.plugins import share_loss_scaler
 from fasttrain.lightning.profiler import profiling, strategy_action, timed
 from fasttrain.lightning.skipped_steps import StepReturnedNone, check_none_step, raise_step_returned_none
 from fasttrain.trainer import Trainer as FasttrainTrainer
@@ -61,7 +62,9 @@ class ModuleRunner(FasttrainTrainer):
     # ------------------------------------------------------------------ setup
     def _create_accelerator(self) -> Accelerator:
         kwargs = self.lt._args.strategy.accelerator_kwargs()  # DDP's options, FSDP2's plugin
-        return build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
+        accelerator = build_accelerator(self.mixed_precision, cpu=self.lt._force_cpu, **kwargs)
+        share_loss_scaler(self.lt.precision_plugin, accelerator)
+        return accelerator
 
     def _prepare_model_optimizer_and_dataloaders(self):
         # combined loaders (combined.py) are no DataLoader for accelerate: each loader in them is

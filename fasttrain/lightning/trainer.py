@@ -18,11 +18,20 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.callbacks import Callback, Checkpoint, EarlyStopping, ModelCheckpoint, ProgressBar, Timer
+from lightning.pytorch.callbacks import (
+    Callback,
+    Checkpoint,
+    EarlyStopping,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    RichModelSummary,
+    Timer,
+)
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.trainer.connectors.callback_connector import _validate_callbacks_list
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 
@@ -34,6 +43,7 @@ from fasttrain.lightning.external_callbacks import external_callbacks
 from fasttrain.lightning.hooks import HookCaller, check_supported_callbacks, order_callbacks
 from fasttrain.lightning.loggers import LoggerConnector, build_loggers, to_host
 from fasttrain.lightning.loop_objects import LoopProperties
+from fasttrain.lightning.plugins import precision_of_run
 from fasttrain.lightning.profiler import build_profiler
 from fasttrain.lightning.loader_state import LoaderStates
 from fasttrain.lightning.progress_bars import ProgressBarMetrics, configure_progress_bar
@@ -112,7 +122,9 @@ class Trainer(LoopProperties):
         self._train_reloaded_epoch = self._val_reloaded_epoch = float("-inf")
         self._reload_train_data = self._reload_val_data = None
         self.profiler = build_profiler(args.profiler)
-        self.precision_plugin = args.plugin_set.precision_plugin or Precision()
+        self.precision_plugin, args.mixed_precision = precision_of_run(
+            args.plugin_set, args.mixed_precision, planned_device(self).type
+        )
         #: a CheckpointIO plugin's, else None (fasttrain's atomic torch.save and torch.load)
         self._checkpoint_io = args.plugin_set.checkpoint_io
         #: Lightning's accelerator object for the run's device (isinstance checks, device stats)
@@ -167,7 +179,8 @@ class Trainer(LoopProperties):
     @staticmethod
     def _build_callbacks(args) -> list:
         """The run's callbacks: ``callbacks=`` (a list, or one callback, as Lightning takes it), a
-        ``ModelCheckpoint`` added when checkpointing is on and none is given, checkpoints last."""
+        ``ModelCheckpoint`` added when checkpointing is on and none is given, the progress bar, a
+        ``ModelSummary`` when the summary is on and none is given, checkpoints last."""
         given = args.callbacks
         callbacks = [given] if isinstance(given, Callback) else list(given or [])
         if args.enable_checkpointing and not any(isinstance(cb, Checkpoint) for cb in callbacks):
@@ -184,6 +197,15 @@ class Trainer(LoopProperties):
         # callbacks that installed packages register for every Trainer (the entry point group
         # Lightning reads)
         configure_progress_bar(callbacks, args.enable_progress_bar)
+        if args.enable_model_summary:
+            summaries = [type(cb) for cb in callbacks if isinstance(cb, ModelSummary)]
+            if summaries:
+                rank_zero_info(
+                    f"Trainer already configured with model summary callbacks: {summaries}."
+                    " Skipping setting a default `ModelSummary` callback."
+                )
+            else:  # Lightning's default: its table at on_fit_start (rich's where rich is installed)
+                callbacks.append(RichModelSummary() if _RICH_AVAILABLE else ModelSummary())
         callbacks.extend(external_callbacks())
         check_supported_callbacks(callbacks)
         _validate_callbacks_list(callbacks)
