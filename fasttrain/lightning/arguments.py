@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.setup import _determine_batch_limits, _parse_time
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning.ckpt_files import is_remote
 from fasttrain.lightning.combined import CombinedData
 from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.plugins import Plugins, read_plugins
@@ -296,8 +297,14 @@ class TrainerArguments:
         if self.deterministic not in (None, True, False, "warn"):
             raise ValueError(f"deterministic must be None, True, False or 'warn', got {self.deterministic!r}")
         root = self.default_root_dir
-        # Lightning expands "~" in default_root_dir (its file system layer does)
-        self.default_root_dir = os.path.normpath(os.path.expanduser(os.fspath(root))) if root is not None else os.getcwd()
+        # Lightning expands "~" in a local default_root_dir (its file system layer does) and
+        # keeps a URL of another file system as it is
+        if root is None:
+            self.default_root_dir = os.getcwd()
+        elif is_remote(root):
+            self.default_root_dir = os.fspath(root)
+        else:
+            self.default_root_dir = os.path.normpath(os.path.expanduser(os.fspath(root)))
 
     def _barebones_opt_outs(self) -> None:
         """Lightning's ``barebones=True``: each feature that costs speed is off, and asking for

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import logging
 import pickle
-from pathlib import Path
 from typing import Optional
 
 import lightning
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from fasttrain.checkpoint_files import CheckpointError, replaced_atomically
+from fasttrain.checkpoint_files import CheckpointError
 from fasttrain.engine.hyperparams import plain_optimizer_state
+from fasttrain.lightning import ckpt_files
 from fasttrain.lightning.loop_objects import loops_state_dict
 
 log = logging.getLogger(__name__)
@@ -72,16 +72,11 @@ def dump_checkpoint(lt, weights_only: bool = False) -> dict:
     return checkpoint
 
 
-def write(checkpoint: dict, filepath) -> None:
-    """Write atomically: a crash mid-write leaves the previous file, never a truncated one."""
-    with replaced_atomically(Path(filepath)) as tmp:
-        torch.save(checkpoint, tmp)
-
-
 def save(lt, filepath, weights_only: Optional[bool], storage_options) -> None:
     """``trainer.save_checkpoint``: the checkpoint written by the ``CheckpointIO`` plugin when
     one is given, else atomically by :func:`write` (which, as Lightning's default writer, takes
-    no ``storage_options``), on the first process; every process waits for it."""
+    no ``storage_options``; a local file, or a URL of another file system), on the first
+    process; every process waits for it."""
     if lt.model is None:
         raise AttributeError(
             "Saving a checkpoint is only possible if a model is attached to the Trainer. Did you call"
@@ -104,7 +99,7 @@ def _save(lt, filepath, weights_only: Optional[bool], storage_options) -> None:
     checkpoint = dump_checkpoint(lt, bool(weights_only))
     if lt.is_global_zero:
         if io is None:
-            write(checkpoint, filepath)
+            ckpt_files.write(checkpoint, filepath)
         else:
             io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
     lt.strategy.barrier("Trainer.save_checkpoint")
@@ -115,11 +110,12 @@ def load(path: str, weights_only: Optional[bool] = None, io=None) -> dict:
     on, and None leaves the choice to torch (safe loading: tensors and plain Python values only,
     unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set), so a file carrying other pickled objects
     (whose unpickling can run code) is refused with an error saying how to load it when trusted.
-    A ``CheckpointIO`` plugin (``io``) reads the file instead, as under Lightning."""
+    A ``CheckpointIO`` plugin (``io``) reads the file instead, as under Lightning. ``path`` may be
+    a URL of another file system (ckpt_files.py)."""
     if io is not None:
         return io.load_checkpoint(path, map_location="cpu", weights_only=weights_only)
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return ckpt_files.read(path, weights_only)
     except pickle.UnpicklingError as error:
         if weights_only is False:
             raise
@@ -134,6 +130,7 @@ def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
     """Load a Lightning-format checkpoint and restore the module from it: its
     ``on_load_checkpoint`` hook, then its weights. Returns the checkpoint. ``weights_only`` as
     for :func:`load`."""
+    rank_zero_info(f"Restoring states from the checkpoint path at {path}")
     checkpoint = load(path, weights_only, lt._checkpoint_io)
     for key in ("pytorch-lightning_version", "state_dict"):
         if key not in checkpoint:
@@ -188,6 +185,7 @@ def restore_training_state(lt, path: str, checkpoint: dict) -> None:
         optimizer.load_state_dict(state)
     for config, state in zip(lt.lr_scheduler_configs, checkpoint["lr_schedulers"]):
         config.scheduler.load_state_dict(state)
+    rank_zero_info(f"Restored all states from the checkpoint at {path}")
 
 
 def _restore_counters(lt, checkpoint: dict) -> None:

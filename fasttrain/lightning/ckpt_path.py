@@ -14,6 +14,8 @@ from typing import Optional
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from fasttrain.lightning import ckpt_files
+
 
 def select(lt, fn: str, ckpt_path, model_provided: bool, model_connected: bool) -> Optional[str]:
     """The checkpoint path a run of ``fn`` ("fit", "validate", ...) loads, or None for none;
@@ -69,7 +71,7 @@ def _parse(lt, fn: str, ckpt_path, model_provided: bool, model_connected: bool) 
             f" specify a path for a checkpoint `.{fn}(ckpt_path=PATH)`"
         )
     path = os.fspath(ckpt_path)
-    if not os.path.isfile(path):
+    if not ckpt_files.exists(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
     return path
 
@@ -102,7 +104,7 @@ def _last(lt, fn: str) -> Optional[str]:
     for callback in lt.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             candidates |= callback._find_last_checkpoints(lt)
-    modified = {path: os.path.getmtime(path) for path in candidates if path and os.path.exists(path)}
+    modified = {path: ckpt_files.modified(path) for path in candidates if path and ckpt_files.exists(path)}
     if not modified:
         # not an error, so that it can be set before the first fit
         rank_zero_warn(

@@ -201,6 +201,7 @@ def _restore_weights(lt, path, weights_only) -> None:
     ``weights_only`` as for ``torch.load`` (None: safe loading)."""
     if path is not None:
         ckpt_io.restore_module(lt, path, weights_only)
+        rank_zero_info(f"Restored all weights from the checkpoint at {path}")
 
 
 def _choose_engine(lt, requested: str, device) -> str:

@@ -37,6 +37,8 @@ from lightning.pytorch.strategies import Strategy as LightningStrategy
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from fasttrain.lightning import ckpt_files
+
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -375,8 +377,8 @@ class _FasttrainStrategy:
         io = self._trainer._checkpoint_io
         if io is not None:  # a CheckpointIO plugin removes its own files
             io.remove_checkpoint(filepath)
-        elif os.path.exists(filepath):
-            os.remove(filepath)
+        else:
+            ckpt_files.remove(filepath)
 
     @property
     def checkpoint_io(self):
