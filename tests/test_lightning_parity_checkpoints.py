@@ -134,3 +134,45 @@ def test_errors_for_a_missing_or_wrong_model_are_lightnings(call):
             getattr(trainer_cls(**QUIET), call)(dataloaders=val_loader())
         with pytest.raises(TypeError, match="`model` must be a `LightningModule` or `torch._dynamo.OptimizedModule`"):
             getattr(trainer_cls(**QUIET), call)(torch.nn.Linear(2, 2), val_loader())
+
+
+class _Adapted(Classifier):
+    """A module whose checkpoints keep only its trainable part (as adapter fine-tuning saves):
+    the frozen first layer is left out of ``state_dict`` at saving."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net[0].requires_grad_(False)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("net.0.")}
+
+
+@pytest.mark.parametrize("call", ["fit", "validate"])
+def test_strict_loading_false_loads_a_partial_checkpoint_as_lightning(tmp_path, call):
+    """LightningModule.strict_loading = False: the checkpoint's weights are loaded with
+    strict=False, on resuming a fit and for an evaluation; the keys it lacks keep the module's."""
+    modules = []
+    for trainer_cls in BOTH:
+        torch.manual_seed(0)
+        first = _Adapted()
+        trainer = trainer_cls(max_epochs=1, **KWARGS)
+        trainer.fit(first, train_loader())
+        path = tmp_path / f"{trainer_cls.__module__.split('.')[0]}.ckpt"
+        trainer.save_checkpoint(path)
+        torch.manual_seed(3)  # another first layer: the checkpoint has none to load
+        module = _Adapted()
+        module.strict_loading = False
+        again = trainer_cls(max_epochs=2, **KWARGS)
+        torch.manual_seed(1)
+        if call == "fit":
+            again.fit(module, train_loader(), ckpt_path=path)
+        else:
+            again.validate(module, val_loader(), ckpt_path=path, verbose=False)
+        modules.append(module)
+        strict = _Adapted()
+        with pytest.raises(RuntimeError, match="Missing key"):  # the default: strict loading
+            trainer_cls(max_epochs=2, **KWARGS).fit(strict, train_loader(), ckpt_path=path)
+    assert_same_weights(*modules)
+    torch.manual_seed(3)
+    assert torch.equal(modules[1].net[0].weight, _Adapted().net[0].weight)

@@ -128,7 +128,8 @@ def load(path: str, weights_only: Optional[bool] = None, io=None) -> dict:
 
 def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
     """Load a Lightning-format checkpoint and restore the module from it: its
-    ``on_load_checkpoint`` hook, then its weights. Returns the checkpoint. ``weights_only`` as
+    ``on_load_checkpoint`` hook, then its weights (``strict=module.strict_loading``, as
+    Lightning loads them). Returns the checkpoint. ``weights_only`` as
     for :func:`load`."""
     rank_zero_info(f"Restoring states from the checkpoint path at {path}")
     checkpoint = load(path, weights_only, lt._checkpoint_io)
@@ -136,7 +137,9 @@ def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
         if key not in checkpoint:
             raise KeyError(f"{path} is not a Lightning checkpoint: it lacks {key!r}")
     lt._hooks.module_hook("on_load_checkpoint", checkpoint)
-    lt.lightning_module.load_state_dict(checkpoint["state_dict"])
+    module = lt.lightning_module
+    # strict_loading = False (a checkpoint holding part of the module, as adapter fine-tuning saves)
+    module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
     return checkpoint
 
 
