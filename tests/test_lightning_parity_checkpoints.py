@@ -176,3 +176,67 @@ def test_strict_loading_false_loads_a_partial_checkpoint_as_lightning(tmp_path, 
     assert_same_weights(*modules)
     torch.manual_seed(3)
     assert torch.equal(modules[1].net[0].weight, _Adapted().net[0].weight)
+
+
+class _Threshold(L.Callback):
+    """State a training run computes and an evaluation uses (a decision threshold, say), kept in
+    the checkpoint through the callback's state_dict."""
+
+    def __init__(self):
+        self.threshold = 0.0
+        self.loaded = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.threshold = float(trainer.current_epoch + 1) / 4
+
+    def state_dict(self):
+        return {"threshold": self.threshold}
+
+    def load_state_dict(self, state):
+        self.loaded.append(("state", state["threshold"], str(type(self).__name__)))
+        self.threshold = state["threshold"]
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self.loaded.append(("hook", trainer.state.fn.value, pl_module.training))
+
+
+class _StatefulData(L.LightningDataModule):
+    def __init__(self):
+        super().__init__()
+        self.restored = None
+
+    def val_dataloader(self):
+        return val_loader()
+
+    def test_dataloader(self):
+        return val_loader()
+
+    def predict_dataloader(self):
+        return val_loader()
+
+    def state_dict(self):
+        return {"seen": 7}
+
+    def load_state_dict(self, state):
+        self.restored = state
+
+
+@pytest.mark.parametrize("call", ["validate", "test", "predict"])
+def test_an_evaluation_from_a_checkpoint_restores_callbacks_and_datamodule_as_lightning(tmp_path, call):
+    seen = []
+    for trainer_cls in BOTH:
+        torch.manual_seed(0)
+        trainer = trainer_cls(max_epochs=2, callbacks=[_Threshold()], **KWARGS)
+        trainer.fit(Classifier(), train_loader())
+        path = tmp_path / f"{trainer_cls.__module__.split('.')[0]}.ckpt"
+        trainer.save_checkpoint(path)
+        checkpoint = torch.load(path, weights_only=True)
+        checkpoint[_StatefulData.__qualname__] = {"seen": 7}
+        torch.save(checkpoint, path)
+        callback, data = _Threshold(), _StatefulData()
+        evaluating = trainer_cls(callbacks=[callback], **KWARGS)
+        kwargs = {"verbose": False} if call != "predict" else {}
+        getattr(evaluating, call)(Classifier(), datamodule=data, ckpt_path=path, **kwargs)
+        seen.append((callback.threshold, callback.loaded, data.restored))
+    assert seen[1] == seen[0]
+    assert seen[0][0] == 0.5 and seen[0][2] == {"seen": 7}

@@ -144,7 +144,8 @@ def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
 
 
 def restore_datamodule_and_callbacks(lt, checkpoint: dict) -> None:
-    """The rest of what a fit restores before ``configure_optimizers``, in Lightning's order: the
+    """The rest of what a run restores (a fit before ``configure_optimizers``, an evaluation or
+    prediction before its first batch), in Lightning's order: the
     DataModule's state, then every callback's ``on_load_checkpoint``, then every callback's
     state. A checkpoint without a ``callbacks`` entry (saved with weights only) calls no
     callback."""

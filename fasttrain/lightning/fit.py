@@ -197,10 +197,13 @@ def _checkpoint_to_load(lt, fn: TrainerFn, choice: tuple):
 
 
 def _restore_weights(lt, path, weights_only) -> None:
-    """The weights of the checkpoint ``path`` (when not None), for an evaluation or prediction;
-    ``weights_only`` as for ``torch.load`` (None: safe loading)."""
+    """The weights of the checkpoint ``path`` (when not None), for an evaluation or prediction,
+    and, as Lightning restores them for every run, the DataModule's and the callbacks' states
+    (a callback's state a training run computed for its evaluation); ``weights_only`` as for
+    ``torch.load`` (None: safe loading)."""
     if path is not None:
-        ckpt_io.restore_module(lt, path, weights_only)
+        checkpoint = ckpt_io.restore_module(lt, path, weights_only)
+        ckpt_io.restore_datamodule_and_callbacks(lt, checkpoint)
         rank_zero_info(f"Restored all weights from the checkpoint at {path}")
 
 
