@@ -185,6 +185,28 @@ def test_counters_of_validate_test_and_predict_like_lightning():
     assert out["fasttrain"][1:] == out["lightning"][1:]
 
 
+@pytest.mark.parametrize("batches", [6, 7])
+def test_should_accumulate_at_every_batch_like_lightning(batches):
+    """``fit_loop._should_accumulate()``, which a step or callback asks to act on updating
+    batches only: False at the last batch of each accumulation window and at the epoch's last."""
+    seen = {}
+
+    class Asking(Classifier):
+        def training_step(self, batch, batch_idx):
+            loop = self.trainer.fit_loop
+            seen.setdefault(type(self.trainer).__module__, []).append(
+                (loop._should_accumulate(), loop.epoch_loop._accumulated_batches_reached(),
+                 loop.epoch_loop._num_ready_batches_reached()))
+            return super().training_step(batch, batch_idx)
+
+    for trainer_cls in (L.Trainer, Trainer):
+        trainer = trainer_cls(max_epochs=2, accumulate_grad_batches=3, limit_train_batches=batches, **QUIET)
+        trainer.fit(Asking(), loader(DATA, batch_size=4))
+    lightning, fasttrain = seen.values()
+    assert fasttrain == lightning
+    assert [not accumulate for accumulate, _, _ in lightning[:batches]].count(True) == -(-batches // 3)
+
+
 def test_loop_objects_are_lightnings_progress_classes():
     trainer = Trainer(**QUIET)
     fit_loop = trainer.fit_loop

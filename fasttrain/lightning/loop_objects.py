@@ -232,6 +232,20 @@ class TrainingEpochLoop(_Loop):
             return self.automatic_optimization.optim_progress.optimizer.step.total.completed
         return self.manual_optimization.optim_step_progress.total.completed
 
+    def _accumulated_batches_reached(self) -> bool:
+        """Whether the current batch ends its gradient-accumulation window."""
+        return self.batch_progress.current.ready % self.trainer.accumulate_grad_batches == 0
+
+    def _num_ready_batches_reached(self) -> bool:
+        """Whether the current batch is the epoch's last."""
+        batches = self.batch_progress
+        return batches.current.ready == self.trainer.num_training_batches or batches.is_last_batch
+
+    def _should_accumulate(self) -> bool:
+        """Whether the current batch accumulates its gradients, rather than stepping the
+        optimizer (the last batch of a window, and of the epoch, steps)."""
+        return not self._accumulated_batches_reached() and not self._num_ready_batches_reached()
+
     def _should_check_val_epoch(self) -> bool:
         """Whether the current epoch validates (what Lightning's ``ProgressBar.total_val_batches``
         asks)."""
@@ -303,6 +317,10 @@ class FitLoop(_Loop):
     @_skip_backward.setter
     def _skip_backward(self, value: bool) -> None:
         self.epoch_loop.automatic_optimization._skip_backward = value
+
+    def _should_accumulate(self) -> bool:
+        """Whether the current batch accumulates its gradients (see TrainingEpochLoop)."""
+        return self.epoch_loop._should_accumulate()
 
     @property
     def max_batches(self):
