@@ -263,6 +263,26 @@ def _fsdp_params(model) -> list:
     return found
 
 
+def _leaf_accumulates(fsdp_param) -> bool:
+    """Whether this torch's FSDP2 sums a window's gradients in the unsharded parameter's
+    ``.grad`` (torch 2.15 on; ``unsharded_accumulated_grad`` is then a read-only view of it)
+    rather than in a buffer of its own (torch 2.11 to 2.14)."""
+    attribute = getattr(type(fsdp_param), "unsharded_accumulated_grad", None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
+def _make_unsharded_params(model) -> None:
+    """FSDP2 creates a module's unsharded parameters at its first all-gather: one unshard and
+    reshard of every FSDP module (collectives: every process restores a window, so every process
+    calls them, in the same order)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
+
+
 def window_gradients(model) -> dict:
     """The gradients this process holds inside an accumulation window: FSDP2's unsharded sums
     (whole-parameter sized, this process's micro-steps only), the gradient shards of parameters
@@ -295,12 +315,20 @@ def restore_window_gradients(model, saved: Optional[dict]) -> None:
 
     saved = saved or {}
     unsharded = saved.get("unsharded", {})
-    for name, fsdp_param in _fsdp_params(model):
+    params = _fsdp_params(model)
+    if unsharded and any(_leaf_accumulates(fsdp_param) for _, fsdp_param in params):
+        _make_unsharded_params(model)
+    for name, fsdp_param in params:
+        grad = unsharded.get(name)
+        value = None if grad is None else grad.to(fsdp_param.sharded_param.device)
+        if _leaf_accumulates(fsdp_param):
+            # this torch sums a window's micro-steps in the unsharded parameter's own .grad
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = value
+            continue
         if hasattr(fsdp_param, "_unsharded_param"):
             fsdp_param._unsharded_param.grad = None
-        grad = unsharded.get(name)
-        device = fsdp_param.sharded_param.device
-        fsdp_param.unsharded_accumulated_grad = None if grad is None else grad.to(device)
+        fsdp_param.unsharded_accumulated_grad = value
     held = {**saved.get("sharded", {}), **saved.get("plain", {})}
     for name, p in model.named_parameters():
         value = held.get(name)

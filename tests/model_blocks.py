@@ -5,22 +5,22 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, dropout=0.1):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(0.1)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
 
 
 class Stack(nn.Module):
-    def __init__(self, blocks=3, dim=8):
+    def __init__(self, blocks=3, dim=8, dropout=0.1):
         super().__init__()
         self.embed = nn.Linear(4, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(dim, dropout) for _ in range(blocks))
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x):
@@ -30,7 +30,7 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def train_losses(engine="eager", steps=6, **trainer_options):
+def train_losses(engine="eager", steps=6, dropout=0.1, **trainer_options):
     """Per-step training losses of a seeded Stack (fp32) through the Trainer."""
     from fasttrain.callbacks import TrainerCallback
     from fasttrain.trainer import Trainer
@@ -44,7 +44,7 @@ def train_losses(engine="eager", steps=6, **trainer_options):
                 self.values.extend(metrics.losses)
 
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack(dropout=dropout)
     data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 4), torch.randn(4 * steps, 1))
     losses = Losses()
     trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01),

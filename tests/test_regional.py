@@ -102,10 +102,45 @@ def test_regions_with_fullgraph_true_in_a_compiled_engine_are_refused():
 
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
-def test_with_activation_checkpointing_inside_the_regions(engine, whole_model_losses):
-    # compiled dropout draws other numbers than eager dropout, so compare with compiled losses
-    losses, _ = train_losses(engine, activation_checkpointing=Block, compile_regions=True)
-    torch.testing.assert_close(losses, whole_model_losses, rtol=2e-6, atol=1e-6)
+def test_with_activation_checkpointing_inside_the_regions(engine):
+    # without dropout, checkpointed regions train exactly as the regions alone: the backward's
+    # recomputation gives the forward's values (with dropout, torch 2.15 draws other masks in a
+    # checkpointed compiled region than in the region alone; the next test checks them)
+    plain, _ = train_losses(engine, compile_regions=True, dropout=0.0)
+    checkpointed, trainer = train_losses(engine, activation_checkpointing=Block, compile_regions=True, dropout=0.0)
+    assert compiled_region_names(trainer.model) == ["blocks.0", "blocks.1", "blocks.2"]
+    torch.testing.assert_close(checkpointed, plain, rtol=2e-6, atol=1e-6)
+
+
+class _DroppedScale(torch.nn.Module):
+    """``dropout(x) * w``: its weight's gradient tells which mask the backward used."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((64,), 2.0))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x) * self.w
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_backward_of_a_checkpointed_region_uses_the_forwards_dropout_masks(checkpointed):
+    from fasttrain.checkpoint_activations import apply_activation_checkpointing
+
+    model = torch.nn.ModuleList([_DroppedScale(), _DroppedScale()])
+    if checkpointed:
+        apply_activation_checkpointing(model, _DroppedScale)
+    compile_regions(model, _DroppedScale)
+    torch.manual_seed(5)
+    outputs = [block(torch.ones(64)) for block in model]
+    upstream = torch.arange(64.0)
+    sum((out * upstream).sum() for out in outputs).backward()
+    for out, block in zip(outputs, model):
+        dropped = (out == 0).sum().item()
+        assert 10 < dropped < 54  # dropout ran
+        # d(sum(mask * x / (1 - p) * w * upstream)) / dw, with the mask the forward drew
+        torch.testing.assert_close(block.w.grad, out.detach() / block.w.detach() * upstream, rtol=0, atol=0)
 
 
 def test_state_dict_unchanged_and_idempotent():
