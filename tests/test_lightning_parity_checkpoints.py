@@ -156,14 +156,14 @@ def test_strict_loading_false_loads_a_partial_checkpoint_as_lightning(tmp_path, 
     for trainer_cls in BOTH:
         torch.manual_seed(0)
         first = _Adapted()
-        trainer = trainer_cls(max_epochs=1, **KWARGS)
+        trainer = trainer_cls(max_epochs=1, **QUIET)
         trainer.fit(first, train_loader())
         path = tmp_path / f"{trainer_cls.__module__.split('.')[0]}.ckpt"
         trainer.save_checkpoint(path)
         torch.manual_seed(3)  # another first layer: the checkpoint has none to load
         module = _Adapted()
         module.strict_loading = False
-        again = trainer_cls(max_epochs=2, **KWARGS)
+        again = trainer_cls(max_epochs=2, **QUIET)
         torch.manual_seed(1)
         if call == "fit":
             again.fit(module, train_loader(), ckpt_path=path)
@@ -172,7 +172,7 @@ def test_strict_loading_false_loads_a_partial_checkpoint_as_lightning(tmp_path, 
         modules.append(module)
         strict = _Adapted()
         with pytest.raises(RuntimeError, match="Missing key"):  # the default: strict loading
-            trainer_cls(max_epochs=2, **KWARGS).fit(strict, train_loader(), ckpt_path=path)
+            trainer_cls(max_epochs=2, **QUIET).fit(strict, train_loader(), ckpt_path=path)
     assert_same_weights(*modules)
     torch.manual_seed(3)
     assert torch.equal(modules[1].net[0].weight, _Adapted().net[0].weight)
@@ -226,7 +226,7 @@ def test_an_evaluation_from_a_checkpoint_restores_callbacks_and_datamodule_as_li
     seen = []
     for trainer_cls in BOTH:
         torch.manual_seed(0)
-        trainer = trainer_cls(max_epochs=2, callbacks=[_Threshold()], **KWARGS)
+        trainer = trainer_cls(max_epochs=2, callbacks=[_Threshold()], **QUIET)
         trainer.fit(Classifier(), train_loader())
         path = tmp_path / f"{trainer_cls.__module__.split('.')[0]}.ckpt"
         trainer.save_checkpoint(path)
@@ -234,7 +234,7 @@ def test_an_evaluation_from_a_checkpoint_restores_callbacks_and_datamodule_as_li
         checkpoint[_StatefulData.__qualname__] = {"seen": 7}
         torch.save(checkpoint, path)
         callback, data = _Threshold(), _StatefulData()
-        evaluating = trainer_cls(callbacks=[callback], **KWARGS)
+        evaluating = trainer_cls(callbacks=[callback], **QUIET)
         kwargs = {"verbose": False} if call != "predict" else {}
         getattr(evaluating, call)(Classifier(), datamodule=data, ckpt_path=path, **kwargs)
         seen.append((callback.threshold, callback.loaded, data.restored))
