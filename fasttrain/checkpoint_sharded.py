@@ -263,11 +263,14 @@ def _fsdp_params(model) -> list:
     return found
 
 
-def _leaf_accumulates(fsdp_param) -> bool:
-    """Whether this torch's FSDP2 sums a window's gradients in the unsharded parameter's
-    ``.grad`` (torch 2.15 on; ``unsharded_accumulated_grad`` is then a read-only view of it)
-    rather than in a buffer of its own (torch 2.11 to 2.14)."""
-    attribute = getattr(type(fsdp_param), "unsharded_accumulated_grad", None)
+def _leaf_accumulates(params: list) -> bool:
+    """Whether this torch's FSDP2 (its ``FSDPParam`` class, which ``params`` from
+    :func:`_fsdp_params` are) sums a window's gradients in the unsharded parameter's ``.grad``
+    (torch 2.15 on; ``unsharded_accumulated_grad`` is then a read-only view of it) rather than
+    in a buffer of its own (torch 2.11 to 2.14)."""
+    if not params:
+        return False
+    attribute = getattr(type(params[0][1]), "unsharded_accumulated_grad", None)
     return isinstance(attribute, property) and attribute.fset is None
 
 
@@ -316,12 +319,13 @@ def restore_window_gradients(model, saved: Optional[dict]) -> None:
     saved = saved or {}
     unsharded = saved.get("unsharded", {})
     params = _fsdp_params(model)
-    if unsharded and any(_leaf_accumulates(fsdp_param) for _, fsdp_param in params):
+    leaf_accumulates = _leaf_accumulates(params)
+    if unsharded and leaf_accumulates:
         _make_unsharded_params(model)
     for name, fsdp_param in params:
         grad = unsharded.get(name)
         value = None if grad is None else grad.to(fsdp_param.sharded_param.device)
-        if _leaf_accumulates(fsdp_param):
+        if leaf_accumulates:
             # this torch sums a window's micro-steps in the unsharded parameter's own .grad
             if hasattr(fsdp_param, "_unsharded_param"):
                 fsdp_param._unsharded_param.grad = value

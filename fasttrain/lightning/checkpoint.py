@@ -126,11 +126,20 @@ def load(path: str, weights_only: Optional[bool] = None, io=None) -> dict:
         ) from error
 
 
-def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
+def restore_modules_and_callbacks(lt, path: str, weights_only: Optional[bool] = None) -> dict:
+    """What every run (fit, validate, test, predict) restores from the checkpoint ``path``
+    before its loop, as Lightning does: the module (:func:`_restore_module`), then the
+    DataModule's and the callbacks' states (:func:`_restore_datamodule_and_callbacks`). Returns
+    the checkpoint. ``weights_only`` as for :func:`load`."""
+    checkpoint = _restore_module(lt, path, weights_only)
+    _restore_datamodule_and_callbacks(lt, checkpoint)
+    return checkpoint
+
+
+def _restore_module(lt, path: str, weights_only: Optional[bool]) -> dict:
     """Load a Lightning-format checkpoint and restore the module from it: its
     ``on_load_checkpoint`` hook, then its weights (``strict=module.strict_loading``, as
-    Lightning loads them). Returns the checkpoint. ``weights_only`` as
-    for :func:`load`."""
+    Lightning loads them). Returns the checkpoint."""
     rank_zero_info(f"Restoring states from the checkpoint path at {path}")
     checkpoint = load(path, weights_only, lt._checkpoint_io)
     for key in ("pytorch-lightning_version", "state_dict"):
@@ -143,10 +152,9 @@ def restore_module(lt, path: str, weights_only: Optional[bool] = None) -> dict:
     return checkpoint
 
 
-def restore_datamodule_and_callbacks(lt, checkpoint: dict) -> None:
+def _restore_datamodule_and_callbacks(lt, checkpoint: dict) -> None:
     """The rest of what a run restores (a fit before ``configure_optimizers``, an evaluation or
-    prediction before its first batch), in Lightning's order: the
-    DataModule's state, then every callback's ``on_load_checkpoint``, then every callback's
+    prediction before its first batch), in Lightning's order: the DataModule's state, then every callback's ``on_load_checkpoint``, then every callback's
     state. A checkpoint without a ``callbacks`` entry (saved with weights only) calls no
     callback."""
     dm = lt.datamodule

@@ -58,12 +58,19 @@ def read(path, weights_only):
         return torch.load(f, map_location="cpu", weights_only=weights_only)
 
 
-def exists(path) -> bool:
+def is_file(path) -> bool:
     """Whether there is a checkpoint file at ``path`` (a web address is taken as there: its
     download says otherwise)."""
     if not is_remote(path):
         return os.path.isfile(path)
     return _is_web(path) or _filesystem(path).isfile(os.fspath(path))
+
+
+def exists(path) -> bool:
+    """Whether there is anything at ``path``, a file or a folder."""
+    if not is_remote(path):
+        return os.path.exists(path)
+    return _filesystem(path).exists(os.fspath(path))
 
 
 def modified(path) -> float:
@@ -75,10 +82,9 @@ def modified(path) -> float:
 
 def remove(path) -> None:
     """Remove the checkpoint at ``path`` if there is one (a folder checkpoint with its files)."""
-    if not is_remote(path):
-        if os.path.exists(path):
-            os.remove(path)
+    if not exists(path):
         return
-    filesystem = _filesystem(path)
-    if filesystem.exists(os.fspath(path)):
-        filesystem.rm(os.fspath(path), recursive=True)
+    if is_remote(path):
+        _filesystem(path).rm(os.fspath(path), recursive=True)
+    else:
+        os.remove(path)

@@ -71,7 +71,7 @@ def _parse(lt, fn: str, ckpt_path, model_provided: bool, model_connected: bool) 
             f" specify a path for a checkpoint `.{fn}(ckpt_path=PATH)`"
         )
     path = os.fspath(ckpt_path)
-    if not ckpt_files.exists(path):
+    if not ckpt_files.is_file(path):
         raise FileNotFoundError(f"Checkpoint file not found: {path}")
     return path
 

@@ -196,14 +196,13 @@ def _checkpoint_to_load(lt, fn: TrainerFn, choice: tuple):
     return path
 
 
-def _restore_weights(lt, path, weights_only) -> None:
-    """The weights of the checkpoint ``path`` (when not None), for an evaluation or prediction,
-    and, as Lightning restores them for every run, the DataModule's and the callbacks' states
-    (a callback's state a training run computed for its evaluation); ``weights_only`` as for
-    ``torch.load`` (None: safe loading)."""
+def _restore_for_evaluation(lt, path, weights_only) -> None:
+    """An evaluation's or prediction's restore from the checkpoint ``path`` (when not None): the
+    weights and, as Lightning restores them for every run, the DataModule's and the callbacks'
+    states (a callback's state a training run computed for its evaluation); ``weights_only`` as
+    for ``torch.load`` (None: safe loading)."""
     if path is not None:
-        checkpoint = ckpt_io.restore_module(lt, path, weights_only)
-        ckpt_io.restore_datamodule_and_callbacks(lt, checkpoint)
+        ckpt_io.restore_modules_and_callbacks(lt, path, weights_only)
         rank_zero_info(f"Restored all weights from the checkpoint at {path}")
 
 
@@ -315,8 +314,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     _setup_hooks(lt, TrainerFn.FITTING)
     checkpoint = None
     if ckpt_path is not None:
-        checkpoint = ckpt_io.restore_module(lt, ckpt_path, weights_only)
-        ckpt_io.restore_datamodule_and_callbacks(lt, checkpoint)
+        checkpoint = ckpt_io.restore_modules_and_callbacks(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
     # no dataloader is requested before on_fit_start unless configure_optimizers reads
     # estimated_stepping_batches; until then the number of training batches is unknown
@@ -457,7 +455,7 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
         lt._test_loaders = loaders
     else:
         lt._val_loaders = loaders
-    _restore_weights(lt, ckpt_path, weights_only)
+    _restore_for_evaluation(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
     with metric_calls_outside_graphs(lt.lightning_module, runner):
         runner.prepare_for_evaluation(plain_loader(loaders[0]))
@@ -491,7 +489,7 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     # prediction_loaders gives plain loaders only (a sequential CombinedLoader flattened)
     loaders = [index_predict_loader(process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
     lt._predict_loaders = loaders
-    _restore_weights(lt, ckpt_path, weights_only)
+    _restore_for_evaluation(lt, ckpt_path, weights_only)
     _to_device(lt, runner)
     runner.prepare_for_evaluation(plain_loader(loaders[0]))
     predictions = run_predict(lt, runner, loaders)
