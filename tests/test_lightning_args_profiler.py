@@ -132,3 +132,33 @@ def test_bad_profiler_settings_are_lightnings_errors(kwargs, kind):
             trainer_cls(**kwargs)
         seen.append(str(info.value))
     assert seen[0] == seen[1]
+
+
+class Data(L.LightningDataModule):
+    def prepare_data(self):
+        pass
+
+    def setup(self, stage):
+        pass
+
+    def train_dataloader(self):
+        return train_loader()
+
+    def val_dataloader(self):
+        return val_loader()
+
+
+def test_the_datamodules_hooks_are_timed_as_lightning_times_them():
+    def events(trainer_cls):
+        profiler = Recording()
+        trainer = trainer_cls(**{**QUIET, "max_epochs": 1, "profiler": profiler})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = Classifier()
+            trainer.fit(module, datamodule=Data())
+            trainer.validate(module, datamodule=Data(), verbose=False)
+        return [event for event in profiler.events if "LightningDataModule" in event[1]]
+
+    theirs, ours = (events(cls) for cls in BOTH)
+    assert ("start", "[LightningDataModule]Data.prepare_data") in theirs
+    assert ours == theirs

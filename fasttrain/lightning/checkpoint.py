@@ -16,6 +16,7 @@ from typing import Optional
 
 import lightning
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from fasttrain.checkpoint_files import CheckpointError
@@ -204,3 +205,37 @@ def _restore_counters(lt, checkpoint: dict) -> None:
     fit = checkpoint.get("loops", {}).get("fit_loop")
     if fit is not None:  # without it Lightning restarts at epoch 0 (weights and optimizer kept)
         lt.fit_loop.restore(fit)
+
+
+class CheckpointConnector:
+    """``trainer._checkpoint_connector``: the parts of Lightning's checkpoint connector that code
+    written for ``lightning.Trainer`` calls, Lightning's tuner first (it saves a checkpoint before
+    its trial steps and restores it after them)."""
+
+    def __init__(self, lt):
+        self._lt = lt
+
+    def restore(self, checkpoint_path: Optional[str] = None, weights_only: Optional[bool] = None) -> None:
+        """Everything a checkpoint holds, restored inside a run as Lightning restores it: the
+        module, the DataModule's and the callbacks' states; in a fit the loop counters, the
+        optimizers, the schedulers and the loss scaler's state; in an evaluation or a prediction
+        that run's loop counters. Without a path, nothing (Lightning's restore of no file).
+        ``weights_only`` as for :func:`load`."""
+        if checkpoint_path is None:
+            return
+        lt = self._lt
+        checkpoint = restore_modules_and_callbacks(lt, checkpoint_path, weights_only)
+        fn = lt.state.fn
+        if fn == TrainerFn.FITTING:
+            restore_training_state(lt, checkpoint_path, checkpoint)
+            return
+        loops = checkpoint.get("loops")
+        name = {TrainerFn.VALIDATING: "validate_loop", TrainerFn.TESTING: "test_loop",
+                TrainerFn.PREDICTING: "predict_loop"}.get(fn)
+        if loops is not None and name in loops:
+            getattr(lt, name).load_state_dict(loops[name])
+        rank_zero_info(f"Restored all states from the checkpoint at {checkpoint_path}")
+
+    def dump_checkpoint(self, weights_only: bool = False) -> dict:
+        """The checkpoint ``trainer.save_checkpoint`` would write, as a dict."""
+        return dump_checkpoint(self._lt, weights_only)

@@ -4,6 +4,7 @@ attaching the module, data, optimizers, the engine choice, checkpoints to resume
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import warnings
@@ -38,12 +39,13 @@ from fasttrain.lightning.hooks import (
 from fasttrain.lightning.loop_objects import index_predict_loader
 from fasttrain.lightning.loops import prepare_eval_loader, run_evaluation, run_predict
 from fasttrain.lightning.metric_calls import metric_calls_outside_graphs
-from fasttrain.lightning.profiler import ProfiledHookCaller, profile_batch_hooks, profiling, timed
+from fasttrain.lightning.profiler import ProfiledHookCaller, datamodule_hook, profile_batch_hooks, profiling
 from fasttrain.lightning.profiler import start_run as start_profiler
 from fasttrain.lightning.run_end import end_run, handle_errors, teardown
 from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.run_data import (
     datamodule_overrides,
+    has_source,
     load_data,
     load_train_data,
     load_val_data,
@@ -78,6 +80,10 @@ def _attach(lt, model, datamodule, fn: TrainerFn) -> None:
         raise TypeError(f"datamodule must be a lightning.LightningDataModule, got {type(datamodule).__name__}")
     lt._module = model
     model.trainer = lt
+    # Lightning's record of where the training data comes from, as every run's setup hooks read
+    # it (the batch size finder's check): the DataModule, else the module; a fit given loaders
+    # records them (_fit)
+    lt.fit_loop._data_source.instance = datamodule if datamodule is not None else model
     # Lightning's test for a step being defined (a step set to None on the instance is not)
     lt._has_val_step = is_overridden("validation_step", model)
     if datamodule is not None:
@@ -146,7 +152,7 @@ def _prepare_data(lt) -> None:
     ``prepare_data_per_node`` is True (the default), else only on local rank 0 of node 0; every
     process waits at a barrier without a timeout until it has run (a download may take long)."""
     local_zero = lt.local_rank == 0
-    owners = ((lt.datamodule, lambda: lt.datamodule.prepare_data()),
+    owners = ((lt.datamodule, lambda: datamodule_hook(lt, "prepare_data")),
               (lt.lightning_module, lambda: lt._hooks.module_hook("prepare_data")))
     for owner, call in owners:
         if owner is None or not is_overridden("prepare_data", owner):
@@ -167,10 +173,7 @@ def _setup_hooks(lt, stage) -> None:
     for logger in lt.loggers:
         getattr(logger, "experiment", None)  # Lightning creates the experiment before setup
     if dm is not None:
-        if profiling(lt):
-            timed(lt.profiler, f"[LightningDataModule]{type(dm).__name__}.setup", dm.setup)(stage=stage)
-        else:
-            dm.setup(stage=stage)
+        datamodule_hook(lt, "setup", stage=stage)
     hooks("setup", stage=stage)
     hooks.module_hook("configure_model")
     # Lightning starts every fit, validate, test and predict with empty results and metric dicts:
@@ -304,6 +307,8 @@ def fit(lt, model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, we
 def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
     _check_validation_setup(lt, val_dataloaders)
     module = lt.lightning_module
+    if train_dataloaders is not None:  # Lightning's record of the training data's source (see _attach)
+        lt.fit_loop._data_source.instance = train_dataloaders
     _verify_fit(module)
     if not module.automatic_optimization:
         check_manual_optimization(lt)
@@ -363,25 +368,64 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
             ckpt_io.restore_training_state(lt, ckpt_path, checkpoint)
         module.zero_grad()  # as Lightning starts each run's loop: gradients left before the fit go
         load_data(lt, val_dataloaders)
+        run_loop()
+
+    def run_loop():
+        """The fit loop over the training loader with the trainer's settings as they are now."""
         runner.engine_name = _choose_engine(lt, lt._args.engine, runner.device)
         train_loader = lt._train_loader
-        with metric_calls_outside_graphs(module, runner):
-            _train(train_loader)
+        lt.fit_loop._running = True
+        try:
+            with metric_calls_outside_graphs(module, runner):
+                runner.train(
+                    train_loader,
+                    num_epochs=max(lt.max_epochs, 1),
+                    per_device_batch_size=getattr(train_loader, "batch_size", None) or 1,
+                    gradient_accumulation_steps=lt.accumulate_grad_batches,
+                    gradient_clip_value=clip_value,
+                    gradient_clip_norm=clip_norm,
+                )
+        finally:
+            lt.fit_loop._running = False
 
-    def _train(train_loader):
-        runner.train(
-            train_loader,
-            num_epochs=max(lt.max_epochs, 1),
-            per_device_batch_size=getattr(train_loader, "batch_size", None) or 1,
-            gradient_accumulation_steps=lt.accumulate_grad_batches,
-            gradient_clip_value=clip_value,
-            gradient_clip_norm=clip_norm,
-        )
+    def run_again():
+        """``trainer.fit_loop.run()`` from ``on_fit_start`` (Lightning's tuner): the fit loop
+        with the callbacks, limits and schedulers the tuner set, on the data it loaded (else the
+        fit's, requested now), without a sanity check."""
+        lt.fit_loop._again = True
+        try:
+            lt.fit_loop.setup_data()
+            if lt.fit_loop.epoch_loop.val_loop._combined_loader is None:
+                lt._val_loaders = []
+                lt._load_val_later = None
+                if has_source(lt, val_dataloaders, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
+                    lt._load_val_later = load_val
+            with _hooks_of_the_callbacks_now(lt):
+                run_loop()
+        finally:
+            lt.fit_loop._again = False
 
+    def load_train():
+        lt._reload_train_data()
+        loader = lt._train_loader
+        # Lightning's setup_data creates the first epoch's iterator with the loader
+        lt.fit_loop._iterator_ahead = iter(loader) if lt.num_training_batches > 0 else None
+        return loader
+
+    def load_val():
+        lt._reload_val_data()
+        lt._load_val_later = None
+        lt.fit_loop.epoch_loop.val_loop._max_batches = lt.num_val_batches
+        return lt._val_loaders
+
+    lt.fit_loop.lend(load_train, run_again)
+    lt.fit_loop.epoch_loop.val_loop.lend(load_val, None)
     try:
         train()
     finally:
         lt._load_train_data = None
+        lt.fit_loop.lend(None, None)
+        lt.fit_loop.epoch_loop.val_loop.lend(None, None)
     lt.training = True  # on_fit_end and teardown run in the training stage, as in Lightning
     end_run(lt)
     hooks("on_fit_end")
@@ -443,28 +487,58 @@ def _evaluate(lt, stage: str, dataloaders, choice, weights_only) -> list:
     if not is_overridden(step, lt.lightning_module):  # also a step set to None on the instance
         raise LightningConfigError(f"No `{step}()` method defined to run `Trainer.{stage}`.")
     runner = _runner(lt, lt._args.engine if lt._args.engine != "cudagraph" else "compiled")
-    _setup_hooks(lt, fn)
-    lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
     hook = "test_dataloader" if stage == "test" else "val_dataloader"
-    loaders = evaluation_loaders(request_checked(lt, dataloaders, hook))
-    if not loaders:
-        raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
     running = RunningStage.TESTING if stage == "test" else RunningStage.VALIDATING
-    loaders = [process_each(lt, dl, running) for dl in loaders]
-    if stage == "test":
-        lt._test_loaders = loaders
-    else:
-        lt._val_loaders = loaders
-    _restore_for_evaluation(lt, ckpt_path, weights_only)
-    _to_device(lt, runner)
-    with metric_calls_outside_graphs(lt.lightning_module, runner):
-        runner.prepare_for_evaluation(plain_loader(loaders[0]))
-        if runner.run_config.is_distributed:
-            loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
-        logged = run_evaluation(lt, runner, stage)
+    loop = lt.test_loop if stage == "test" else lt.validate_loop
+
+    def load():
+        loaders = evaluation_loaders(request_checked(lt, dataloaders, hook))
+        if not loaders:
+            raise ValueError(f"{stage}() needs data: pass dataloaders, a datamodule, or define {hook}()")
+        loaders = [process_each(lt, dl, running) for dl in loaders]
+        if stage == "test":
+            lt._test_loaders = loaders
+        else:
+            lt._val_loaders = loaders
+        return loaders
+
+    def run_again():
+        with _hooks_of_the_callbacks_now(lt):
+            loop.setup_data()
+            return run_evaluation(lt, runner, stage)
+
+    loop.lend(load, run_again)
+    try:
+        _setup_hooks(lt, fn)
+        lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
+        loop.setup_data()  # (a callback's setup hook may have loaded them: Lightning's batch size finder)
+        loaders = lt._test_loaders if stage == "test" else lt._val_loaders
+        _restore_for_evaluation(lt, ckpt_path, weights_only)
+        _to_device(lt, runner)
+        with metric_calls_outside_graphs(lt.lightning_module, runner):
+            runner.prepare_for_evaluation(plain_loader(loaders[0]))
+            if runner.run_config.is_distributed:
+                loaders[:] = [prepare_eval_loader(runner, dl) for dl in loaders]
+            logged = run_evaluation(lt, runner, stage)
+    finally:
+        loop.lend(None, None)
     end_run(lt)
     teardown(lt, fn)
     return logged
+
+
+@contextlib.contextmanager
+def _hooks_of_the_callbacks_now(lt):
+    """The run's hooks for ``trainer.callbacks`` as they are now, for a loop Lightning's tuner
+    runs again with callbacks of its own (none, or its learning-rate callback); the run's hooks
+    back after it."""
+    hooks = lt._hooks
+    if hooks.callbacks is not lt.callbacks:
+        lt._hooks = lt._backward_hooks = type(hooks)(lt, lt.lightning_module, lt.callbacks)
+    try:
+        yield
+    finally:
+        lt._hooks = lt._backward_hooks = hooks
 
 
 def predict(lt, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only=None):
@@ -481,18 +555,32 @@ def _predict(lt, dataloaders, choice, weights_only) -> list:
     if lt.lightning_module.predict_step is None:
         raise LightningConfigError("`predict_step` cannot be None to run `Trainer.predict`")
     runner = _runner(lt, "eager")
-    _setup_hooks(lt, TrainerFn.PREDICTING)
-    lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
-    loaders = prediction_loaders(request_checked(lt, dataloaders, "predict_dataloader"))
-    if not loaders:
-        raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
-    # prediction_loaders gives plain loaders only (a sequential CombinedLoader flattened)
-    loaders = [index_predict_loader(process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
-    lt._predict_loaders = loaders
-    _restore_for_evaluation(lt, ckpt_path, weights_only)
-    _to_device(lt, runner)
-    runner.prepare_for_evaluation(plain_loader(loaders[0]))
-    predictions = run_predict(lt, runner, loaders)
+
+    def load():
+        loaders = prediction_loaders(request_checked(lt, dataloaders, "predict_dataloader"))
+        if not loaders:
+            raise ValueError("predict() needs data: pass dataloaders, a datamodule, or define predict_dataloader()")
+        # prediction_loaders gives plain loaders only (a sequential CombinedLoader flattened)
+        lt._predict_loaders = [index_predict_loader(process_loader(lt, dl, RunningStage.PREDICTING)) for dl in loaders]
+        return lt._predict_loaders
+
+    def run_again():
+        with _hooks_of_the_callbacks_now(lt):
+            lt.predict_loop.setup_data()
+            return run_predict(lt, runner, lt._predict_loaders)
+
+    lt.predict_loop.lend(load, run_again)
+    try:
+        _setup_hooks(lt, TrainerFn.PREDICTING)
+        lt.lightning_module.zero_grad()  # as Lightning starts each run's loop: no gradient held through it
+        lt.predict_loop.setup_data()  # (a callback's setup hook may have loaded them)
+        loaders = lt._predict_loaders
+        _restore_for_evaluation(lt, ckpt_path, weights_only)
+        _to_device(lt, runner)
+        runner.prepare_for_evaluation(plain_loader(loaders[0]))
+        predictions = run_predict(lt, runner, loaders)
+    finally:
+        lt.predict_loop.lend(None, None)
     end_run(lt)
     teardown(lt, TrainerFn.PREDICTING)
     return predictions

@@ -12,9 +12,13 @@ Lightning advances them, from fasttrain's own counts; no counter is read from th
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.loops import _EvaluationLoop as _LightningEvaluationLoop
+from lightning.pytorch.loops import _FitLoop as _LightningFitLoop
+from lightning.pytorch.loops import _PredictionLoop as _LightningPredictionLoop
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import (
     _BatchProgress,
@@ -23,10 +27,14 @@ from lightning.pytorch.loops.progress import (
     _ReadyCompletedTracker,
     _SchedulerProgress,
 )
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader
+
+from fasttrain.lightning.combined import CombinedData
 
 from fasttrain.lightning.loader_state import warn_if_not_resumable
 
@@ -56,7 +64,84 @@ class _ManualOptimization(_Loop):
         self.optim_step_progress.increment_completed()
 
 
-class EvaluationLoop(_Loop):
+def describe_loaders(loaders) -> CombinedLoader:
+    """A ``CombinedLoader`` over a run's loaders, as Lightning's loops hold them in
+    ``_combined_loader`` (what the batch size finder reads: ``flattened``, ``_dataset_length()``);
+    the loops iterate fasttrain's own, never this one."""
+    if isinstance(loaders, CombinedData):
+        return loaders.combined
+    if isinstance(loaders, (list, tuple)):
+        flat = [dl.combined if isinstance(dl, CombinedData) else dl for dl in loaders]
+        return CombinedLoader(flat, "sequential")
+    return CombinedLoader(loaders, "max_size_cycle")
+
+
+class _RunnableLoop(_Loop):
+    """What Lightning's tuner (the learning rate and batch size finders) calls on a loop inside a
+    run: ``setup_data()`` (the run's data requested when the loop holds none, ``_combined_loader``
+    set to None meaning none), ``run()`` (the loop run again with the trainer's settings as they
+    are then, no sanity check) and ``reset()``. A run lends the loop its means to load and to run
+    (:meth:`lend`, fit.py); outside a run they raise."""
+
+    def __init__(self, trainer) -> None:
+        _Loop.__init__(self, trainer)  # not the Lightning loop class's own set-up (see _lightning_kind)
+        #: Lightning's description of the loaders the loop holds (None: none loaded yet)
+        self._combined_loader: Optional[CombinedLoader] = None
+        self._load: Optional[Callable[[], object]] = None
+        self._run_again: Optional[Callable[[], object]] = None
+        #: whether the loop is running now (run() is refused then: it would run inside itself)
+        self._running = False
+        #: how many times run() ran the loop again in this run
+        self._runs_again = 0
+        self._iterator_ahead = None
+
+    def lend(self, load: Optional[Callable[[], object]], run_again: Optional[Callable[[], object]]) -> None:
+        """A run's ``load()`` (requests the loop's data, returns the loaders) and ``run_again()``;
+        ``None, None`` when the run ends."""
+        self._load, self._run_again = load, run_again
+        self._combined_loader = None
+        self._iterator_ahead = None
+        self._running = False
+
+    def _outside_a_run(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"`{what}` works inside a run of fasttrain.lightning.Trainer only (as Lightning's tuner calls it, from "
+            "a callback's `on_fit_start`, `on_validation_start`, `on_test_start` or `on_predict_start`)"
+        )
+
+    def setup_data(self) -> None:
+        if self._combined_loader is not None:
+            return
+        if self._load is None:
+            raise self._outside_a_run(f"{type(self).__name__}.setup_data()")
+        self._combined_loader = describe_loaders(self._load())
+
+    def run(self):
+        if self._run_again is None:
+            raise self._outside_a_run(f"{type(self).__name__}.run()")
+        if self._running:
+            raise RuntimeError(
+                f"fasttrain.lightning runs the {type(self).__name__} again (Lightning's learning rate and batch size "
+                "finders do) only before it started: from `on_fit_start` for a fit, from the evaluation's "
+                "start hook for an evaluation, as `Tuner` and the finder callbacks run them; this call came while "
+                "it runs. Tune before the fit (`Tuner(trainer).lr_find(model)`), or from `on_fit_start`"
+            )
+        self._runs_again += 1
+        return self._run_again()
+
+    def reset(self) -> None:
+        """Lightning's ``reset`` before a run: gradients on, and a restarting loop's current
+        progress set back to where it was last completed."""
+        torch.set_grad_enabled(True)
+        if self.restarting:
+            for progress in self._progress():
+                progress.reset_on_restart()
+
+    def _progress(self) -> list:
+        return []
+
+
+class EvaluationLoop(_RunnableLoop, _LightningEvaluationLoop):
     """``trainer.validate_loop``, ``trainer.test_loop`` and ``fit_loop.epoch_loop.val_loop``:
     the batch progress over all loaders of a run (``total`` counts on over runs; a fit's
     validation total restarts with each training epoch) and the loaders' batch counts."""
@@ -95,6 +180,14 @@ class EvaluationLoop(_Loop):
         self._has_run = False
         self.batch_progress.reset_on_run()
 
+    def reset(self) -> None:
+        """Lightning's ``reset`` (a restarting loop keeps its completed batches)."""
+        self._has_run = False
+        if self.restarting:
+            self.batch_progress.reset_on_restart()
+        else:
+            self.batch_progress.reset_on_run()
+
     def pass_over(self, counts: list) -> None:
         """Count a validation as run without running it: Lightning's way past the validation due
         at the batch a checkpoint was saved at (saved before it ran)."""
@@ -109,7 +202,7 @@ class EvaluationLoop(_Loop):
             self.batch_progress.increment_by(int(max(counts)), True)
 
 
-class PredictionLoop(_Loop):
+class PredictionLoop(_RunnableLoop, _LightningPredictionLoop):
     """``trainer.predict_loop``: its batch progress, the batch indices Lightning's
     ``BasePredictionWriter`` reads (``current_batch_indices``, ``epoch_batch_indices``), the
     predictions kept and ``return_predictions``."""
@@ -128,6 +221,10 @@ class PredictionLoop(_Loop):
         self._loaders: list = []
         #: (any writer writes per batch, any writes at the epoch's end), decided per run
         self._writers = (False, False)
+
+    def reset(self) -> None:
+        """Lightning's ``reset`` before a prediction."""
+        self.batch_progress.reset_on_run()
 
     @property
     def return_predictions(self) -> bool:
@@ -294,7 +391,7 @@ class TrainingEpochLoop(_Loop):
         return batches.current.ready
 
 
-class FitLoop(_Loop):
+class FitLoop(_RunnableLoop, _LightningFitLoop):
     """``trainer.fit_loop``: the epoch progress (``current.completed`` is ``current_epoch``),
     ``max_epochs``/``min_epochs`` (assigning ``max_epochs`` during a fit moves its end), the
     batch indices, ``restarting`` and ``done``."""
@@ -308,6 +405,17 @@ class FitLoop(_Loop):
         #: where a checkpoint just loaded resumes (see :meth:`restore`), until the first epoch starts
         self._resume: Optional[tuple] = None
         self._resumed_after_validation = False
+        #: Lightning's record of where the fit's training data comes from (set as a fit starts):
+        #: the batch size finder refuses loaders passed to fit(), whose batch size it cannot change
+        self._data_source = _DataLoaderSource(None, "train_dataloader")
+        #: whether the loop runs again inside a fit (the tuner's run: no sanity check)
+        self._again = False
+        #: the first epoch's data iterator when setup_data() made it (Lightning's setup_data
+        #: creates it with the loader: the tuner's loads draw the shuffle's seed where Lightning's do)
+        self._iterator_ahead = None
+
+    def _progress(self) -> list:
+        return [self.epoch_progress]
 
     @property
     def _skip_backward(self) -> bool:
@@ -444,6 +552,38 @@ class FitLoop(_Loop):
         """Set ``restarting`` here and in the child loops as given (Lightning's setter adds its
         own rule, meant for a checkpoint just loaded)."""
         _Loop.restarting.fset(self, value)
+
+
+class _Missing:
+    """A member of Lightning's loop class that fasttrain's loop does not have: reading it raises
+    AttributeError (``hasattr`` is False), as for any attribute the object lacks."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self._name = name
+
+    def __get__(self, instance, owner=None):
+        raise AttributeError(f"{owner.__name__!r} object has no attribute {self._name!r} (fasttrain runs its own loops)")
+
+
+def _lightning_kind(cls, lightning_cls):
+    """``cls``, a subclass of Lightning's loop class ``lightning_cls`` so that Lightning's code
+    that tells loops apart by class (its tuner) knows it, without Lightning's implementation:
+    the members of ``lightning_cls`` that ``cls`` does not define read as missing."""
+    own = set()
+    for klass in cls.__mro__:
+        if klass.__module__ == __name__:
+            own.update(vars(klass))
+    for name in vars(lightning_cls):
+        if not (name.startswith("__") and name.endswith("__")) and name not in own:
+            missing = _Missing()
+            missing.__set_name__(cls, name)
+            setattr(cls, name, missing)
+    return cls
+
+
+_lightning_kind(EvaluationLoop, _LightningEvaluationLoop)
+_lightning_kind(PredictionLoop, _LightningPredictionLoop)
+_lightning_kind(FitLoop, _LightningFitLoop)
 
 
 def loops_state_dict(trainer) -> dict:

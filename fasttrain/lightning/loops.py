@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from lightning.pytorch.loops import _EvaluationLoop as _LightningEvaluationLoop
 from lightning.pytorch.loops.utilities import _verify_dataloader_idx_requirement
 from lightning.pytorch.trainer.states import RunningStage
 
@@ -83,7 +84,8 @@ def run_fit(lt, runner) -> None:
         lt._train_loader = runner._train_dataloader
         lt._val_loaders = [prepare_eval_loader(runner, dl) for dl in lt._val_loaders]
     # on_fit_start has run in fit(): Lightning calls it before requesting the dataloaders
-    if lt._num_sanity_batches() > 0 and not lt._restarting:
+    # not when the tuner runs the loop again (fit_loop.run(), as Lightning's runs no sanity check)
+    if lt._num_sanity_batches() > 0 and not lt._restarting and not state._again:
         lt.sanity_checking = True
         hooks.callbacks_only("on_sanity_check_start")
         # as in Lightning, the sanity check leaves the random state as it found it, so the
@@ -100,7 +102,9 @@ def run_fit(lt, runner) -> None:
     check_interval_fits_epoch(lt.val_check_interval, lt)  # after the sanity check, as in Lightning
     # Lightning creates the first epoch's data iterator here, after the sanity check and before
     # on_train_start (a DataLoader draws its base seed when the iterator is created)
-    iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
+    iterator, state._iterator_ahead = state._iterator_ahead, None
+    if iterator is None or distributed:  # (sharded: the prepared loader's own iterator, made now)
+        iterator = iter(lt._train_loader) if lt.num_training_batches > 0 else None
     state.start_run()
     every = lt.check_val_every_n_epoch
     if lt._load_val_later is not None and (every is None or (lt.current_epoch + 1) % every == 0):
@@ -506,8 +510,22 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     first_iterator = iter(loaders[0]) if loaders else None
     verify_dataloader_idx(module, prefix, lt.state.stage, len(loaders) > 1)
     hooks.module_hook(f"on_{prefix}_model_eval")
+    runs_before = loop._runs_again
     hooks(f"on_{prefix}_start")
     hooks(f"on_{prefix}_epoch_start")
+    if loop._runs_again != runs_before:
+        # Lightning's batch size finder ran this loop again from a start hook and loaded the
+        # loaders anew (at the size it found): the run goes on over those, from a fresh start
+        loaders = lt._test_loaders if testing else lt._val_loaders
+        limit = lt.limit_test_batches if testing else lt.limit_val_batches
+        loop._max_batches = [num_batches(running, loader, limit) for loader in flat(loaders)]
+        counts = limited_counts(loaders, loop.max_batches)
+        results.reset()
+        lt._active_eval_results = results  # (the run inside ended its own)
+        lt._eval_step_name = "test_step" if testing else "validation_step"
+        loop.start_run()
+        first_iterator = iter(loaders[0]) if loaders else None
+    loop._running = True  # from here on the loop cannot run again inside itself
     eval_step = runner.engine_steps()[1]
     several = len(loaders) > 1
     logged = []
@@ -563,6 +581,7 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
         # SYNC(epoch-end): the sanity check's values reach the bar at its end, as Lightning's bar
         # shows them (once per fit; the check's end clears them)
         lt._pbar_metrics.refresh()
+    loop._running = False
     hooks(f"on_{prefix}_end")
     lt._logger_connector.eval_epoch_ended = False
     results.reset()
@@ -572,6 +591,10 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     else:
         for m, training in zip(module.modules(), mode):
             m.training = training
+    if loop.verbose and not sanity and lt.is_global_zero:
+        # Lightning's results table for validate() and test() (verbose=True); a fit's
+        # validation loop is not verbose, as in Lightning
+        _LightningEvaluationLoop._print_results(logged, loop._stage.value)
     lt.state.stage = stage_before
     lt._last_val_time = time.monotonic()  # a time-based val_check_interval counts from here
     return logged
@@ -620,8 +643,17 @@ def _run_predict(lt, runner, loaders):
     lt.predicting = True
     verify_dataloader_idx(module, "predict", RunningStage.PREDICTING, len(loaders) > 1)
     hooks.module_hook("on_predict_model_eval")
+    runs_before = loop._runs_again
     hooks("on_predict_start")
     hooks("on_predict_epoch_start")
+    if loop._runs_again != runs_before:
+        # Lightning's batch size finder ran the prediction again from a start hook and loaded
+        # the loaders anew (see _run_evaluation)
+        loaders = lt._predict_loaders
+        loop.max_batches = counts = [num_batches(RunningStage.PREDICTING, dl, lt.limit_predict_batches) for dl in loaders]
+        loop.start_run(loaders, lt.callbacks)
+        keep = loop.keeps_predictions()
+    loop._running = True  # from here on the loop cannot run again inside itself
     several = len(loaders) > 1
     predict = runner.model_call("predict_step")
     profiler = lt.profiler if profiling(lt) else None
@@ -658,6 +690,7 @@ def _run_predict(lt, runner, loaders):
     hooks("on_predict_epoch_end")
     returned = loop.predictions if loop.return_predictions else None
     loop.finish_run()
+    loop._running = False
     hooks("on_predict_end")
     for m, training in zip(module.modules(), mode):
         m.training = training

@@ -147,3 +147,17 @@ class ProfiledHookCaller(HookCaller):
 
     def overridden(self, name: str) -> bool:
         return True  # every hook runs (and is timed), as Lightning calls them all
+
+
+def datamodule_hook(lt, name: str, *args, **kwargs):
+    """The DataModule's hook ``name`` called as Lightning calls it: timed by a profiler as
+    ``[LightningDataModule]<class>.<name>``; a hook that is not callable (set to None) is not
+    called and gives None."""
+    dm = lt.datamodule
+    fn = getattr(dm, name)
+    if not callable(fn):
+        return None
+    if profiling(lt):
+        with lt.profiler.profile(f"[LightningDataModule]{type(dm).__name__}.{name}"):
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)

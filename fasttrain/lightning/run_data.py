@@ -29,6 +29,7 @@ from fasttrain.lightning.combined import CombinedData, evaluation_loaders, flat,
 from fasttrain.lightning.errors import LightningConfigError
 from fasttrain.lightning.hooks import module_overrides
 from fasttrain.lightning.loops import prepare_eval_loader, prepare_train_loader
+from fasttrain.lightning.profiler import datamodule_hook
 
 
 class InvalidDataloaderError(TypeError, ValueError):
@@ -54,6 +55,8 @@ def _loaders_from(lt, source, given, hook: str):
         return source
     if source is lt.lightning_module:
         return lt._hooks.module_hook(hook)
+    if source is lt.datamodule:
+        return datamodule_hook(lt, hook)
     return getattr(source, hook)()
 
 
@@ -215,7 +218,10 @@ def load_data(lt, val_dataloaders) -> None:
         and lt.limit_val_batches != 0 and not lt._restarting
     )
     lt._load_val_later = None
-    if sanity:
+    # loaded already when Lightning's tuner ended by loading them (batch size finder): kept, as
+    # Lightning's validation loop keeps the loaders it holds
+    val_loaded = lt.fit_loop.epoch_loop.val_loop._combined_loader is not None
+    if sanity and not val_loaded:
         # Lightning requests them inside its sanity check: val_dataloader() reads sanity_checking
         lt.sanity_checking = True
         try:
@@ -225,7 +231,7 @@ def load_data(lt, val_dataloaders) -> None:
             lt.training = True
     if lt._load_train_data is not None:
         lt._load_train_data()
-    if not sanity:
+    if not sanity and not val_loaded:
         lt._val_loaders = []
         if has_source(lt, val_dataloaders, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
             lt._load_val_later = functools.partial(load_val_data, lt, val_dataloaders)

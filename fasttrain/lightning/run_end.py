@@ -10,11 +10,13 @@ import threading
 from typing import Any, Callable
 
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from fasttrain.lightning.combined import flat
 from fasttrain.lightning.hooks import callback_overrides
+from fasttrain.lightning.profiler import datamodule_hook
 
 
 def end_run(lt) -> None:
@@ -36,7 +38,7 @@ def teardown(lt, stage: str) -> None:
     the loggers finalized."""
     dm = lt.datamodule
     if dm is not None:
-        dm.teardown(stage=stage)
+        datamodule_hook(lt, "teardown", stage=stage)
     lt._hooks("teardown", stage=stage)
     lt.lightning_module._current_fx_name = None
     lt.lightning_module._metric_attributes = None
@@ -78,6 +80,12 @@ def handle_errors(lt, run: Callable[[], Any]):
     second Ctrl-C cannot cut the shutdown short."""
     try:
         return run()
+    except _TunerExitException:
+        # Lightning's tuner ends the run after finding its value (Tuner.lr_find, scale_batch_size):
+        # a finished run, torn down as one (no on_fit_end, no on_exception)
+        teardown(lt, lt.state.fn)
+        end_run(lt)
+        return None
     except KeyboardInterrupt as error:
         rank_zero_info("\nDetected KeyboardInterrupt, attempting graceful shutdown ...")
         if threading.current_thread() is threading.main_thread():

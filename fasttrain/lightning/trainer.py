@@ -444,12 +444,14 @@ class Trainer(LoopProperties):
                  weights_only: Optional[bool] = None) -> list:
         from fasttrain.lightning.fit import evaluate
 
+        self.validate_loop.verbose = verbose  # Lightning's results table at the end (verbose=True)
         return evaluate(self, "validate", model, dataloaders, ckpt_path, datamodule, weights_only)
 
     def test(self, model=None, dataloaders=None, ckpt_path=None, verbose=True, datamodule=None,
              weights_only: Optional[bool] = None) -> list:
         from fasttrain.lightning.fit import evaluate
 
+        self.test_loop.verbose = verbose  # Lightning's results table at the end (verbose=True)
         return evaluate(self, "test", model, dataloaders, ckpt_path, datamodule, weights_only)
 
     def predict(self, model=None, dataloaders=None, datamodule=None, return_predictions=None, ckpt_path=None,
@@ -457,6 +459,10 @@ class Trainer(LoopProperties):
         from fasttrain.lightning.fit import predict
 
         return predict(self, model, dataloaders, datamodule, ckpt_path, return_predictions, weights_only)
+
+    @property
+    def _checkpoint_connector(self) -> ckpt_io.CheckpointConnector:
+        return ckpt_io.CheckpointConnector(self)
 
     def save_checkpoint(self, filepath, weights_only: Optional[bool] = None,
                         storage_options: Optional[Any] = None) -> None:
