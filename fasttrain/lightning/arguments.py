@@ -7,9 +7,11 @@ silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
+import typing
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -45,6 +47,9 @@ _NOT_SUPPORTED = {
     "model_registry": "not available",
     "enable_autolog_hparams": "hyperparameters always go to the loggers, as with Lightning's default",
 }
+#: the value of each of those that asks for nothing (Lightning's default): taken, as a config
+#: written by Lightning's CLI or a dict of Lightning's defaults gives it
+_NOT_SUPPORTED_OFF = {"sync_batchnorm": False, "benchmark": None, "model_registry": None, "enable_autolog_hparams": True}
 
 # Lightning's barebones opt-outs: (argument, the value barebones sets, what Lightning's error says)
 _BAREBONES_OFF = (
@@ -390,18 +395,37 @@ class TrainerArguments:
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
 
 
+#: TrainerArguments' fields that the Trainer derives (no argument of that name is taken)
+_INTERNAL = ("mixed_precision", "val_check_seconds", "plugin_set")
+
+
+def own_arguments(lightning_names) -> dict:
+    """The arguments ``fasttrain.lightning.Trainer`` takes beside Lightning's (``lightning_names``):
+    name -> (type, default)."""
+    types = typing.get_type_hints(TrainerArguments)
+    return {
+        field.name: (types[field.name], field.default)
+        for field in dataclasses.fields(TrainerArguments)
+        if field.name not in _INTERNAL and field.name not in lightning_names
+    }
+
+
 def parse_arguments(kwargs: dict) -> TrainerArguments:
     """``TrainerArguments`` from the keyword arguments given to ``Trainer``, over the defaults
     Lightning reads from ``PL_TRAINER_<ARGUMENT>`` environment variables (a given argument wins,
-    as in Lightning); an unknown or unsupported name is a ``TypeError`` naming it."""
+    as in Lightning); an unknown name is a ``TypeError`` naming it, and so is an unsupported one
+    given anything but Lightning's default (which asks for nothing: taken)."""
     from lightning.pytorch.trainer.trainer import Trainer as LightningTrainer  # its signature, also where the name is rebound
     from lightning.pytorch.utilities.argparse import _parse_env_variables
 
     kwargs = {**vars(_parse_env_variables(LightningTrainer)), **kwargs}
-    internal = ("mixed_precision", "val_check_seconds", "plugin_set")
-    known = {name for name in TrainerArguments.__dataclass_fields__ if name not in internal}
-    for name in kwargs:
+    known = {name for name in TrainerArguments.__dataclass_fields__ if name not in _INTERNAL}
+    for name in list(kwargs):
         if name in _NOT_SUPPORTED:
+            if kwargs[name] is _NOT_SUPPORTED_OFF[name]:
+                if name not in TrainerArguments.__dataclass_fields__:
+                    del kwargs[name]
+                continue
             raise TypeError(
                 f"fasttrain.lightning.Trainer does not support the argument {name!r} ({_NOT_SUPPORTED[name]}). "
                 "Remove it, or train this run with lightning.Trainer."
