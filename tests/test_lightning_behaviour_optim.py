@@ -143,3 +143,42 @@ def test_stochastic_weight_averaging_with_batchnorm_ends_with_lightnings_weights
     assert seen[1] == seen[0]
     assert_same_weights(modules[0], modules[1])
     assert int(modules[0].net[1].num_batches_tracked) > 0
+
+
+class InspectsItsClosure(Classifier):
+    """An optimizer_step that records what the closure is and what calling it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        from lightning.pytorch.loops.optimization.automatic import Closure
+
+        holder = {}
+
+        def closure():
+            holder["loss"] = optimizer_closure()
+            return holder["loss"]
+
+        optimizer.step(closure=closure)
+        loss = holder["loss"]
+        self.seen.append((isinstance(optimizer_closure, Closure), loss.requires_grad, float(loss)))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_optimizer_closure_is_lightnings_and_returns_its_loss(accumulate):
+    """The closure is Lightning's Closure; calling it gives a detached copy of the loss backward
+    saw: divided over the accumulation window, as under Lightning."""
+    def fit(trainer):
+        module = InspectsItsClosure()
+        trainer.fit(module, train_loader())
+        return module
+
+    out = run_both(fit, max_epochs=1, accumulate_grad_batches=accumulate)
+    reference, ours = out["lightning"], out["fasttrain"]
+    assert len(ours.seen) == len(reference.seen) == 6 // accumulate
+    assert all(is_closure and not requires_grad for is_closure, requires_grad, _ in ours.seen)
+    for (_, _, theirs), (_, _, mine) in zip(reference.seen, ours.seen):
+        assert mine == pytest.approx(theirs, rel=1e-5)
+    assert_same_weights(reference, ours)

@@ -290,3 +290,16 @@ def test_the_fit_says_why_it_stopped_as_lightning_does(limits, caplog):
         said.append([r.getMessage() for r in caplog.records if "`Trainer.fit` stopped" in r.getMessage()])
     assert said[1] == said[0]
     assert bool(said[0]) == ("limit_train_batches" not in limits)
+
+
+def test_the_callback_and_scaler_properties_are_lightnings():
+    """early_stopping_callbacks lists every EarlyStopping; scaler is the fp16 precision plugin's
+    loss scaler, None in full precision."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    stoppers = [EarlyStopping("a"), EarlyStopping("b")]
+    for trainer_cls in (L.Trainer, Trainer):
+        trainer = trainer_cls(**{**QUIET, "callbacks": stoppers})
+        assert trainer.early_stopping_callbacks == stoppers
+        assert trainer.early_stopping_callback is stoppers[0]
+        assert trainer.scaler is None

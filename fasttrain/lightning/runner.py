@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -33,6 +34,20 @@ from fasttrain.lightning.plugins import share_loss_scaler
 from fasttrain.lightning.profiler import profiling, strategy_action, timed
 from fasttrain.lightning.skipped_steps import StepReturnedNone, check_none_step, raise_step_returned_none
 from fasttrain.trainer import Trainer as FasttrainTrainer
+
+
+class _StepClosure(Closure):
+    """The ``optimizer_closure`` a module's ``optimizer_step`` receives: Lightning's ``Closure``
+    (an ``isinstance`` check holds), evaluating the training step and backward of
+    :meth:`ModuleRunner.closure_step`; a call returns a detached copy of the loss backward saw,
+    as Lightning's does."""
+
+    def __init__(self, evaluate):
+        super().__init__(evaluate)
+
+    @torch.enable_grad()
+    def closure(self, *args, **kwargs) -> ClosureResult:
+        return ClosureResult(self._step_fn())
 
 
 class ModuleRunner(FasttrainTrainer):
@@ -346,13 +361,17 @@ class ModuleRunner(FasttrainTrainer):
                     self.zero_grad_at_window_start()
                 result["output"] = None
                 return None
+            # what backward sees (divided over the accumulation window), as Lightning's closure
+            # loss; calling the closure gives a detached copy of it (_StepClosure)
+            closure_loss = self._step_context.loss_for_backward(batch_output)
             if backward:
-                self.backward_step(self._step_context.loss_for_backward(batch_output))
+                self.backward_step(closure_loss)
             result["output"] = batch_output
-            return batch_output["loss"]
+            return closure_loss
 
         lt._hooks.module_hook(
-            "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0], closure
+            "optimizer_step", lt.current_epoch, self.batch_idx, lt.strategy._lightning_optimizers[0],
+            _StepClosure(closure),
         )
         if "output" not in result:  # Lightning's error and words
             raise MisconfigurationException(

@@ -302,8 +302,17 @@ class Trainer(LoopProperties):
 
     @property
     def early_stopping_callback(self):
-        callbacks = [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+        callbacks = self.early_stopping_callbacks
         return callbacks[0] if callbacks else None
+
+    @property
+    def early_stopping_callbacks(self) -> list:
+        return [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+
+    @property
+    def scaler(self):
+        """The fp16 loss scaler of the run's precision plugin (None without one), as Lightning's."""
+        return getattr(self.precision_plugin, "scaler", None)
 
     @property
     def _results(self):
