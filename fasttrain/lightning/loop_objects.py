@@ -35,7 +35,6 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader
 
 from fasttrain.lightning.combined import CombinedData
-
 from fasttrain.lightning.loader_state import warn_if_not_resumable
 
 
@@ -93,6 +92,9 @@ class _RunnableLoop(_Loop):
         self._running = False
         #: how many times run() ran the loop again in this run
         self._runs_again = 0
+        #: the first epoch's data iterator when setup_data() made it (the fit loop: Lightning's
+        #: setup_data creates it with the loader, so the tuner's loads draw the shuffle's seed
+        #: where Lightning's do)
         self._iterator_ahead = None
 
     def lend(self, load: Optional[Callable[[], object]], run_again: Optional[Callable[[], object]]) -> None:
@@ -410,9 +412,6 @@ class FitLoop(_RunnableLoop, _LightningFitLoop):
         self._data_source = _DataLoaderSource(None, "train_dataloader")
         #: whether the loop runs again inside a fit (the tuner's run: no sanity check)
         self._again = False
-        #: the first epoch's data iterator when setup_data() made it (Lightning's setup_data
-        #: creates it with the loader: the tuner's loads draw the shuffle's seed where Lightning's do)
-        self._iterator_ahead = None
 
     def _progress(self) -> list:
         return [self.epoch_progress]
