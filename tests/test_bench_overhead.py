@@ -157,9 +157,18 @@ def test_the_table_pairs_fasttrain_lightning_with_lightning_and_fasttrain_eager(
 def python_calls_per_step(peer) -> float:
     """Python function calls per training step of a set-up ``peer``: the difference of a 120-step
     and a 20-step run over 100, so that what a run costs once cancels
-    (benchmarks/host_profile.py)."""
-    peer.run(5)
-    _, rows = host_profile.profiled_steps(peer, 20, 100)
+    (benchmarks/host_profile.py). tqdm's clock stands still meanwhile: a progress bar redraws
+    when 0.1 s have passed, so the count would otherwise grow with the machine's slowness (the
+    profiled steps are slow, slower still on a busy machine), not with the work of a step; the
+    bars' redraws asked for (new values shown) still count."""
+    from unittest import mock
+
+    import tqdm.std
+
+    frozen = tqdm.std.time()
+    with mock.patch.object(tqdm.std, "time", lambda: frozen):
+        peer.run(5)
+        _, rows = host_profile.profiled_steps(peer, 20, 100)
     return sum(calls for calls, _, _ in rows.values())
 
 

@@ -198,8 +198,10 @@ def test_python_calls_per_step_stay_close_to_fasttrains_own_trainer():
     work cancels in the difference of two fits. Measured without a progress bar: about 18 more
     calls per step (there were about 150 before self.log and the fit loop decided their per-fit
     checks once; Lightning makes about 3,400 more than fasttrain's Trainer). The bench's peer
-    keeps Lightning's default bar, a Lightning callback whose hooks run every batch: about 73
-    calls per step more (under Lightning the same bar adds about 260, its value reads included)."""
+    keeps the default bar, a Lightning callback whose hooks run every batch: about 7 calls per
+    step more, its redraws at most every 0.1 s left out of the count (tqdm's clock stands still
+    while counting, see python_calls_per_step: counted with the clock, they made the figure grow
+    with the machine's slowness, 73 on a quiet machine and 145 on a busy one)."""
     import functools
 
     from fasttrain.bench.peers import make_peer
