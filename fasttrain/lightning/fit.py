@@ -45,7 +45,7 @@ from fasttrain.lightning.run_end import end_run, handle_errors, teardown
 from fasttrain.lightning.run_checks import check_manual_optimization
 from fasttrain.lightning.run_data import (
     datamodule_overrides,
-    has_source,
+    defer_val_data,
     load_data,
     load_train_data,
     load_val_data,
@@ -396,10 +396,7 @@ def _fit(lt, train_dataloaders, val_dataloaders, choice, weights_only) -> None:
         try:
             lt.fit_loop.setup_data()
             if lt.fit_loop.epoch_loop.val_loop._combined_loader is None:
-                lt._val_loaders = []
-                lt._load_val_later = None
-                if has_source(lt, val_dataloaders, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
-                    lt._load_val_later = load_val
+                defer_val_data(lt, val_dataloaders)
             with _hooks_of_the_callbacks_now(lt):
                 run_loop()
         finally:

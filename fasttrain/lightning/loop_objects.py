@@ -557,7 +557,7 @@ class _Missing:
     """A member of Lightning's loop class that fasttrain's loop does not have: reading it raises
     AttributeError (``hasattr`` is False), as for any attribute the object lacks."""
 
-    def __set_name__(self, owner, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self._name = name
 
     def __get__(self, instance, owner=None):
@@ -574,9 +574,7 @@ def _lightning_kind(cls, lightning_cls):
             own.update(vars(klass))
     for name in vars(lightning_cls):
         if not (name.startswith("__") and name.endswith("__")) and name not in own:
-            missing = _Missing()
-            missing.__set_name__(cls, name)
-            setattr(cls, name, missing)
+            setattr(cls, name, _Missing(name))
     return cls
 
 

@@ -481,8 +481,6 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     module = lt.lightning_module
     testing = stage == "test"
     prefix = "test" if testing else "validation"
-    loaders = lt._test_loaders if testing else lt._val_loaders
-    limit = lt.limit_test_batches if testing else lt.limit_val_batches
     stage_before = lt.state.stage
     if not sanity:  # the sanity check keeps its own stage
         lt.state.stage = RunningStage.TESTING if testing else RunningStage.VALIDATING
@@ -493,9 +491,15 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     fitting = lt.state.fn == "fit"
     loop = lt.fit_loop.epoch_loop.val_loop if fitting else lt.test_loop if testing else lt.validate_loop
     running = RunningStage.TESTING if testing else RunningStage.VALIDATING
-    # counted per loader, those combined in a CombinedLoader one by one (as Lightning lists them)
-    loop._max_batches = [num_batches(running, loader, limit) for loader in flat(loaders)]
-    counts = limited_counts(loaders, loop.max_batches)  # the sanity check's, while it runs
+
+    def loaders_and_counts():
+        loaders = lt._test_loaders if testing else lt._val_loaders
+        limit = lt.limit_test_batches if testing else lt.limit_val_batches
+        # counted per loader, those combined in a CombinedLoader one by one (as Lightning lists them)
+        loop._max_batches = [num_batches(running, loader, limit) for loader in flat(loaders)]
+        return loaders, limited_counts(loaders, loop.max_batches)  # the sanity check's, while it runs
+
+    loaders, counts = loaders_and_counts()
     # Lightning's "a validation ran" flag (set by a batch outside the sanity check:
     # ModelCheckpoint only warns about a missing monitored value until then) and batch counters
     loop.start_run()
@@ -516,10 +520,7 @@ def _run_evaluation(lt, runner, stage: str, sanity: bool) -> list:
     if loop._runs_again != runs_before:
         # Lightning's batch size finder ran this loop again from a start hook and loaded the
         # loaders anew (at the size it found): the run goes on over those, from a fresh start
-        loaders = lt._test_loaders if testing else lt._val_loaders
-        limit = lt.limit_test_batches if testing else lt.limit_val_batches
-        loop._max_batches = [num_batches(running, loader, limit) for loader in flat(loaders)]
-        counts = limited_counts(loaders, loop.max_batches)
+        loaders, counts = loaders_and_counts()
         results.reset()
         lt._active_eval_results = results  # (the run inside ended its own)
         lt._eval_step_name = "test_step" if testing else "validation_step"

@@ -232,6 +232,14 @@ def load_data(lt, val_dataloaders) -> None:
     if lt._load_train_data is not None:
         lt._load_train_data()
     if not sanity and not val_loaded:
-        lt._val_loaders = []
-        if has_source(lt, val_dataloaders, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
-            lt._load_val_later = functools.partial(load_val_data, lt, val_dataloaders)
+        defer_val_data(lt, val_dataloaders)
+
+
+def defer_val_data(lt, given) -> None:
+    """No validation loaders yet: when validation can run, they are requested at the fit's
+    first validation, or once the first epoch's data iterator exists when that epoch validates
+    (``lt._load_val_later``, see :func:`~fasttrain.lightning.loops.run_fit`)."""
+    lt._val_loaders = []
+    lt._load_val_later = None
+    if has_source(lt, given, "val_dataloader") and lt._has_val_step and lt.limit_val_batches != 0:
+        lt._load_val_later = functools.partial(load_val_data, lt, given)

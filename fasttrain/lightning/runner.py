@@ -42,9 +42,6 @@ class _StepClosure(Closure):
     :meth:`ModuleRunner.closure_step`; a call returns a detached copy of the loss backward saw,
     as Lightning's does."""
 
-    def __init__(self, evaluate):
-        super().__init__(evaluate)
-
     @torch.enable_grad()
     def closure(self, *args, **kwargs) -> ClosureResult:
         return ClosureResult(self._step_fn())
